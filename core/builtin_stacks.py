@@ -1,0 +1,9 @@
+"""The built-in stacks, contributed through the plugin hook like any plugin's stacks."""
+
+from .hookspecs import hookimpl
+from .stacks import builtin_stack_mappings
+
+
+@hookimpl
+def dynaspec_stacks():
+    return builtin_stack_mappings()

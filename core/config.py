@@ -1,0 +1,251 @@
+"""Stack configuration: frozen, validated attrs classes, read from TOML files or built-in names.
+
+A stack names its target, drafter, shortlister, scheduler, GEMM backend, verifier and decoding
+parameters. File layout::
+
+    name = "my-stack"
+    base = "eagle"              # optional: start from another stack (built-in name or file)
+    target = "gemma3-270m"
+    drafter = "gemma3-270m"     # built-in artifact name, a directory, or "none" for plain decoding
+
+    [shortlister]               # every key but `name` is a parameter of the component
+    name = "full"
+    [scheduler]
+    name = "fixed"
+    [backend]
+    name = "torch"
+    [verifier]
+    name = "auto"               # greedy at temperature 0, lossless sampling above
+    [draft]
+    mode = "tree"               # or "chain"
+    depth = 6
+    topk = 10
+    total_tokens = 60
+    [decode]
+    temperature = 0.0
+    top_p = 1.0
+    max_new_tokens = 128
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+
+from .errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def _frozen_params(value: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(dict(value or {}).items()))
+
+
+def _check(field: str, ok: bool, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field} = {value!r} is invalid: {rule}")
+
+
+@attrs.frozen
+class ComponentRef:
+    """A component chosen by name, with its parameters."""
+
+    name: str
+    params: tuple[tuple[str, Any], ...] = attrs.field(default=(), converter=_frozen_params)
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.params)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **self.kwargs}
+
+
+def _positive_int(field: str):
+    def validate(_inst, attribute, value):
+        _check(f"{field}.{attribute.name}", isinstance(value, int) and not isinstance(value, bool)
+               and value >= 1, value, "must be an integer >= 1")
+    return validate
+
+
+@attrs.frozen
+class DraftConfig:
+    """Shape of the draft: a chain of ``depth`` tokens, or an EAGLE-2 dynamic tree."""
+
+    mode: str = attrs.field(default="tree")
+    depth: int = attrs.field(default=6, validator=_positive_int("draft"))
+    topk: int = attrs.field(default=10, validator=_positive_int("draft"))
+    total_tokens: int = attrs.field(default=60, validator=_positive_int("draft"))
+
+    @mode.validator
+    def _mode(self, _attribute, value):
+        _check("draft.mode", value in ("chain", "tree"), value, "must be 'chain' or 'tree'")
+
+
+@attrs.frozen
+class DecodeConfig:
+    """Decoding parameters; temperature 0 means greedy."""
+
+    temperature: float = attrs.field(default=0.0, converter=float)
+    top_p: float = attrs.field(default=1.0, converter=float)
+    max_new_tokens: int = attrs.field(default=128, validator=_positive_int("decode"))
+    seed: int | None = None
+
+    @temperature.validator
+    def _temperature(self, _attribute, value):
+        _check("decode.temperature", math.isfinite(value) and value >= 0, value, "must be >= 0")
+
+    @top_p.validator
+    def _top_p(self, _attribute, value):
+        _check("decode.top_p", 0 < value <= 1, value, "must satisfy 0 < top_p <= 1")
+
+
+def _component(value: Any) -> ComponentRef:
+    if isinstance(value, ComponentRef):
+        return value
+    if isinstance(value, str):
+        return ComponentRef(value)
+    if isinstance(value, Mapping):
+        value = dict(value)
+        name = value.pop("name", None)
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"component table {value!r} needs a 'name'")
+        return ComponentRef(name, value)
+    raise ConfigError(f"a component must be a name or a table, not {value!r}")
+
+
+@attrs.frozen
+class StackConfig:
+    """A complete, validated stack."""
+
+    name: str
+    target: str
+    drafter: str | None = None
+    shortlister: ComponentRef = attrs.field(default=ComponentRef("full"), converter=_component)
+    scheduler: ComponentRef = attrs.field(default=ComponentRef("fixed"), converter=_component)
+    backend: ComponentRef = attrs.field(default=ComponentRef("torch"), converter=_component)
+    verifier: ComponentRef = attrs.field(default=ComponentRef("auto"), converter=_component)
+    draft: DraftConfig = attrs.field(factory=DraftConfig)
+    decode: DecodeConfig = attrs.field(factory=DecodeConfig)
+    description: str = ""
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter is not None
+
+    @property
+    def verifier_name(self) -> str:
+        """The verifier actually used: ``auto`` picks greedy at temperature 0, sampling above."""
+        if self.verifier.name == "auto":
+            return "greedy" if self.decode.temperature == 0 else "sampling"
+        return self.verifier.name
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "target": self.target,
+            "drafter": self.drafter or "none",
+            "shortlister": self.shortlister.to_dict(),
+            "scheduler": self.scheduler.to_dict(),
+            "backend": self.backend.to_dict(),
+            "verifier": self.verifier.to_dict(),
+            "draft": attrs.asdict(self.draft),
+            "decode": {k: v for k, v in attrs.asdict(self.decode).items() if v is not None},
+        }
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> "StackConfig":
+        """A copy with dotted fields replaced, e.g. ``{"draft.depth": 5, "backend": "torch"}``."""
+        data = self.to_dict()
+        for key, value in overrides.items():
+            _assign(data, key, value)
+        return stack_from_mapping(data)
+
+
+_TOP_FIELDS = {"name", "description", "target", "drafter", "shortlister", "scheduler", "backend",
+               "verifier", "draft", "decode", "base"}
+_COMPONENT_FIELDS = {"shortlister", "scheduler", "backend", "verifier"}
+
+
+def _assign(data: dict[str, Any], dotted: str, value: Any) -> None:
+    head, _, rest = dotted.partition(".")
+    if head not in _TOP_FIELDS - {"base"}:
+        raise ConfigError(f"unknown stack field '{dotted}'; fields: {', '.join(sorted(_TOP_FIELDS))}")
+    if not rest:
+        if head in _COMPONENT_FIELDS and isinstance(value, str):
+            # a new component name drops the old component's parameters
+            value = {"name": value}
+        data[head] = value
+        return
+    if head not in _COMPONENT_FIELDS | {"draft", "decode"}:
+        raise ConfigError(f"stack field '{head}' has no sub-field '{rest}'")
+    table = dict(data.get(head) or {})
+    table[rest] = value
+    data[head] = table
+
+
+def stack_from_mapping(data: Mapping[str, Any], *, source: str = "stack") -> StackConfig:
+    """Validate a mapping (parsed TOML) into a :class:`StackConfig`."""
+    data = dict(data)
+    unknown = set(data) - _TOP_FIELDS
+    if unknown:
+        raise ConfigError(f"{source}: unknown field(s) {', '.join(sorted(unknown))}; "
+                          f"fields: {', '.join(sorted(_TOP_FIELDS))}")
+    for key in ("name", "target"):
+        if not isinstance(data.get(key), str) or not data[key]:
+            raise ConfigError(f"{source}: '{key}' must be a non-empty string")
+    drafter = data.get("drafter")
+    if drafter in (None, "", "none"):
+        drafter = None
+    tables = {}
+    for key, cls in (("draft", DraftConfig), ("decode", DecodeConfig)):
+        table = dict(data.get(key) or {})
+        known = {a.name for a in attrs.fields(cls)}
+        if set(table) - known:
+            raise ConfigError(f"{source}: unknown field(s) "
+                              f"{', '.join(f'{key}.{k}' for k in sorted(set(table) - known))}; "
+                              f"{key} fields: {', '.join(sorted(known))}")
+        tables[key] = cls(**table)
+    draft, decode = tables["draft"], tables["decode"]
+    if draft.mode == "chain":
+        draft = attrs.evolve(draft, topk=1, total_tokens=draft.depth)
+    return StackConfig(
+        name=data["name"], target=data["target"], drafter=drafter,
+        description=str(data.get("description", "")),
+        draft=draft, decode=decode,
+        **{k: data[k] for k in _COMPONENT_FIELDS if k in data},
+    )
+
+
+def merge(base: Mapping[str, Any], child: Mapping[str, Any]) -> dict[str, Any]:
+    """Child fields over base fields; tables merge one level deep (a new component name resets)."""
+    out = dict(base)
+    for key, value in child.items():
+        if key == "base":
+            continue
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            if key in _COMPONENT_FIELDS and value.get("name", out[key].get("name")) != out[key].get("name"):
+                out[key] = dict(value)
+            else:
+                out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"stack file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None

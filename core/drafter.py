@@ -1,0 +1,252 @@
+"""The EAGLE-style drafter: ``fc([E(x_t), f_{t-1}]) -> one decoder layer -> norm``, whose output
+lives in the space the target's LM head reads (the target's final normed hidden state).
+
+The drafter has no head of its own: its logits come from the target's LM head, applied by a GEMM
+backend over the current shortlist only. Weights are stored as safetensors (bf16) beside a JSON
+config that records the architecture and the fingerprint of the target it was trained for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import ArtifactMismatchError, ConfigError
+
+WEIGHTS_FILE = "drafter.safetensors"
+CONFIG_FILE = "drafter.json"
+FORMAT = "dynaspec-drafter/1"
+
+
+@attrs.frozen
+class DrafterConfig:
+    """Architecture of the drafter's single decoder layer."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    activation: str = attrs.field(default="silu")
+    qk_norm: bool = False
+
+    @activation.validator
+    def _act(self, _a, value):
+        if value not in _ACTIVATIONS:
+            raise ConfigError(f"drafter activation = {value!r} is invalid: one of {sorted(_ACTIVATIONS)}")
+
+    @classmethod
+    def like_target(cls, config: Any, *, intermediate_size: int | None = None) -> "DrafterConfig":
+        """A drafter shaped like one decoder layer of a Hugging Face target config."""
+        cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        heads = int(cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        act = str(getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu"))
+        rope = getattr(cfg, "rope_theta", None)
+        if rope is None:
+            params = getattr(cfg, "rope_parameters", None) or {}
+            if isinstance(params, Mapping) and "full_attention" in params:
+                params = params["full_attention"]
+            rope = (params or {}).get("rope_theta", 10000.0) if isinstance(params, Mapping) else 10000.0
+        return cls(
+            hidden_size=int(cfg.hidden_size),
+            intermediate_size=int(intermediate_size or cfg.intermediate_size),
+            num_heads=heads,
+            num_kv_heads=int(getattr(cfg, "num_key_value_heads", heads) or heads),
+            head_dim=head_dim,
+            vocab_size=int(cfg.vocab_size),
+            rope_theta=float(rope),
+            rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
+            activation="gelu_tanh" if "gelu" in act else "silu",
+            qk_norm=getattr(cfg, "model_type", "").startswith("gemma3"),
+        )
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding (rotate-half form) of x [B, H, T, D] at positions [B, T]."""
+    dim = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim))
+    ang = positions.float()[:, None, :, None] * inv  # [B, 1, T, D/2]
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    x1, x2 = x[..., : dim // 2], x[..., dim // 2:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class DraftCache:
+    """KV cache of the drafter's one layer; ``crop`` drops speculative entries."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else int(self.k.shape[-2])
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=-2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=-2)
+        return self.k, self.v
+
+    def crop(self, length: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[..., :length, :], self.v[..., :length, :]
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + gated MLP (Llama / Gemma shaped, with optional q/k norms)."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg = cfg
+        self.input_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(d, h * hd, bias=False)
+        self.k_proj = nn.Linear(d, kv * hd, bias=False)
+        self.v_proj = nn.Linear(d, kv * hd, bias=False)
+        self.o_proj = nn.Linear(h * hd, d, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.post_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
+        self.act = _ACTIVATIONS[cfg.activation]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: DraftCache | None,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """x [B, T, d], positions [B, T], mask bool [T, S] over (cached + new) keys or None=causal."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        hx = self.input_norm(x)
+        q = self.q_proj(hx).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = self.k_proj(hx).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = self.v_proj(hx).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rope(q, positions, cfg.rope_theta), _rope(k, positions, cfg.rope_theta)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        if cfg.num_kv_heads != cfg.num_heads:
+            rep = cfg.num_heads // cfg.num_kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if mask is None:
+            s = k.shape[-2]
+            mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(s - t)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        hx = self.post_norm(x)
+        return x + self.down_proj(self.act(self.gate_proj(hx)) * self.up_proj(hx))
+
+
+class Drafter(nn.Module):
+    """EAGLE-style drafter: predicts the target's next normed hidden state."""
+
+    def __init__(self, cfg: DrafterConfig, meta: Mapping[str, Any] | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.meta: dict[str, Any] = dict(meta or {})
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.layer = DecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, token_embeddings: torch.Tensor, features: torch.Tensor,
+                positions: torch.Tensor, cache: DraftCache | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Inputs [B, T, d] each (``E(x_t)`` and ``f_{t-1}``) -> predicted features [B, T, d]."""
+        x = self.fc(torch.cat([token_embeddings, features], dim=-1).to(self.fc.weight.dtype))
+        return self.norm(self.layer(x, positions, cache, mask))
+
+    # -- persistence -------------------------------------------------------------------------------
+    def save(self, directory: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Write ``drafter.safetensors`` + ``drafter.json`` atomically (temp files, then rename)."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}
+        config = {"format": FORMAT, "architecture": attrs.asdict(self.cfg), **self.meta}
+        atomic_write(directory / WEIGHTS_FILE, lambda p: save_file(tensors, str(p)))
+        atomic_write(directory / CONFIG_FILE,
+                     lambda p: Path(p).write_text(json.dumps(config, indent=2, sort_keys=True)))
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, *, target_fingerprint: Mapping[str, Any] | None = None,
+             dtype: torch.dtype = torch.float32) -> "Drafter":
+        """Load a drafter; refuses one built for another target (by fingerprint)."""
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        cfg_path, w_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+        if not cfg_path.is_file() or not w_path.is_file():
+            raise ConfigError(f"no drafter at {directory} (expected {CONFIG_FILE} and {WEIGHTS_FILE})")
+        config = json.loads(cfg_path.read_text())
+        if config.get("format") != FORMAT:
+            raise ConfigError(f"{cfg_path}: not a dynaspec drafter (format {config.get('format')!r})")
+        arch = DrafterConfig(**config.pop("architecture"))
+        config.pop("format")
+        if target_fingerprint is not None:
+            check_drafter_shape(arch, target_fingerprint, what=f"drafter {directory}")
+            check_fingerprint(config.get("target"), target_fingerprint, what=f"drafter {directory}")
+        drafter = cls(arch, meta=config)
+        drafter.load_state_dict({k: v.to(dtype) for k, v in load_file(str(w_path)).items()})
+        return drafter.to(dtype).eval()
+
+
+def check_drafter_shape(cfg: DrafterConfig, fingerprint: Mapping[str, Any], *, what: str) -> None:
+    """Raise :class:`ArtifactMismatchError` unless the drafter's sizes fit the target's."""
+    for key in ("hidden_size", "vocab_size"):
+        if getattr(cfg, key) != fingerprint.get(key):
+            raise ArtifactMismatchError(f"{what} does not fit this target: its {key} is "
+                                        f"{getattr(cfg, key)}, the target's is {fingerprint.get(key)}")
+
+
+def check_fingerprint(recorded: Mapping[str, Any] | None, actual: Mapping[str, Any], *, what: str) -> None:
+    """Raise :class:`ArtifactMismatchError` unless an artifact's recorded target matches ``actual``."""
+    if not recorded:
+        raise ArtifactMismatchError(f"{what} records no target fingerprint; rebuild it for this target")
+    for key in ("model_type", "vocab_size", "hidden_size", "lm_head_sha256_rows64"):
+        if key in recorded and recorded[key] != actual.get(key):
+            raise ArtifactMismatchError(
+                f"{what} was built for another target: {key} is {recorded[key]!r} there, "
+                f"{actual.get(key)!r} for this target")
+
+
+def atomic_write(path: str | os.PathLike, write) -> None:
+    """Call ``write(tmp_path)`` then rename over ``path``: readers never see a partial file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,316 @@
+"""The speculative decoding engine.
+
+One cycle: the drafter catches up on the target's true features, grows a draft tree (per depth:
+budget -> shortlist -> head GEMM over the shortlist -> children), the target scores the whole tree
+in one pass with a tree attention mask, the verifier accepts a path plus one bonus token, and both
+KV caches keep exactly the committed tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator, Mapping, Sequence
+
+import attrs
+import torch
+
+from .config import StackConfig
+from .drafter import DraftCache, Drafter, check_drafter_shape
+from .errors import ConfigError, InputError
+from .protocols import DecodeParams
+from .registry import Registry, default_registry
+from .stats import GenerationStats
+from .tree import DraftTree
+from .types import BuildContext, DraftStep, Shortlist
+
+
+@attrs.frozen(eq=False)
+class GenerationResult:
+    """Output of :meth:`Engine.generate`."""
+
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    stats: GenerationStats
+    stack: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"text": self.text, "token_ids": self.token_ids, "stack": self.stack,
+                **self.stats.to_dict()}
+
+
+class Engine:
+    """A target, an optional drafter and the components of a stack, assembled once."""
+
+    def __init__(self, stack: StackConfig, target, drafter: Drafter | None, *,
+                 registry: Registry | None = None) -> None:
+        self.stack = stack
+        self.target = target
+        self.drafter = drafter
+        self.registry = registry or default_registry()
+        self.ctx = BuildContext(
+            vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+            lm_head_weight=target.lm_head_weight, special_token_ids=target.special_token_ids,
+            target_fingerprint=target.fingerprint(), device=target.device,
+            tokenizer=target.tokenizer, resolve_artifact=_resolve_artifact)
+        if drafter is not None:
+            check_drafter_shape(drafter.cfg, self.ctx.target_fingerprint, what="the drafter")
+        build = self.registry.build
+        self.shortlister = build("shortlister", stack.shortlister.name, stack.shortlister.kwargs, self.ctx)
+        self.ctx.head_layout = getattr(self.shortlister, "head_layout", None)
+        self.scheduler = build("scheduler", stack.scheduler.name, stack.scheduler.kwargs, self.ctx)
+        self.backend = build("backend", stack.backend.name, stack.backend.kwargs, self.ctx)
+        self._verifiers: dict[str, Any] = {}
+        self.verifier_for(stack.decode.temperature)  # fail early on a bad verifier
+
+    @classmethod
+    def from_stack(cls, stack: str | StackConfig = "default", *,
+                   overrides: Mapping[str, Any] | None = None, registry: Registry | None = None,
+                   target=None, drafter: Drafter | None = None) -> "Engine":
+        """Resolve a stack (built-in name, plugin name or TOML file), load its target and drafter
+        (unless given) and build its components."""
+        from .stacks import resolve_stack
+        from .targets import load_drafter, load_target
+
+        registry = registry or default_registry()
+        config = resolve_stack(stack, overrides=overrides, registry=registry)
+        target = target or load_target(config.target)
+        if drafter is None and config.drafter is not None:
+            drafter = load_drafter(config.drafter, target)
+        return cls(config, target, drafter, registry=registry)
+
+    def verifier_for(self, temperature: float):
+        name = self.stack.verifier.name
+        if name == "auto":
+            name = "greedy" if temperature == 0 else "sampling"
+        elif name == "greedy" and temperature > 0:
+            raise ConfigError(f"decode.temperature = {temperature} is invalid with the greedy "
+                              "verifier: use temperature 0 or the 'sampling' verifier")
+        if name not in self._verifiers:
+            params = self.stack.verifier.kwargs if self.stack.verifier.name != "auto" else {}
+            self._verifiers[name] = self.registry.build("verifier", name, params, self.ctx)
+        return self._verifiers[name]
+
+    # -- public API -------------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int] | torch.Tensor, *,
+                 max_new_tokens: int | None = None, temperature: float | None = None,
+                 top_p: float | None = None, seed: int | None = None) -> GenerationResult:
+        """Generate a continuation; returns text, ids and statistics."""
+        prompt_ids, run = self._start(prompt, max_new_tokens, temperature, top_p, seed)
+        stats = GenerationStats()
+        new: list[int] = []
+        start = time.perf_counter()
+        for chunk in run(stats):
+            new.extend(chunk)
+        stats.wall_time = time.perf_counter() - start
+        stats.new_tokens = len(new)
+        return GenerationResult(self.decode(new), new, prompt_ids, stats, self.stack.name)
+
+    def stream(self, prompt: str | Sequence[int] | torch.Tensor, *, stats: GenerationStats | None = None,
+               **kwargs) -> Iterator[str]:
+        """Yield the continuation as text pieces while it is generated."""
+        _, run = self._start(prompt, kwargs.get("max_new_tokens"), kwargs.get("temperature"),
+                             kwargs.get("top_p"), kwargs.get("seed"))
+        stats = stats if stats is not None else GenerationStats()
+        new: list[int] = []
+        text = ""
+        start = time.perf_counter()
+        for chunk in run(stats):
+            new.extend(chunk)
+            stats.new_tokens = len(new)
+            stats.wall_time = time.perf_counter() - start
+            full = self.decode(new)
+            if len(full) > len(text) and not full.endswith("\ufffd"):
+                yield full[len(text):]
+                text = full
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.target.tokenizer is None:
+            raise InputError(f"target '{self.target.name}' has no tokenizer: pass token ids")
+        return list(self.target.tokenizer(prompt)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        tok = self.target.tokenizer
+        return tok.decode(list(ids), skip_special_tokens=True) if tok is not None else ""
+
+    # -- the loops --------------------------------------------------------------------------------
+    def _start(self, prompt, max_new_tokens, temperature, top_p, seed):
+        decode = self.stack.decode
+        params = DecodeParams(
+            temperature=decode.temperature if temperature is None else float(temperature),
+            top_p=decode.top_p if top_p is None else float(top_p))
+        # validate through the config class so errors name the field
+        attrs.evolve(decode, temperature=params.temperature, top_p=params.top_p,
+                     max_new_tokens=max_new_tokens or decode.max_new_tokens)
+        max_new = int(max_new_tokens or decode.max_new_tokens)
+        seed = decode.seed if seed is None else seed
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InputError("the prompt is empty")
+            ids = self.encode(prompt)
+        else:
+            ids = [int(i) for i in (prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt)]
+        if not ids:
+            raise InputError("the prompt is empty")
+        if any(i < 0 or i >= self.target.vocab_size for i in ids):
+            raise InputError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
+        extra = self.stack.draft.depth + 1 if self.drafter is not None else 0
+        if len(ids) + max_new + extra > self.target.max_positions:
+            raise InputError(
+                f"prompt of {len(ids)} tokens + {max_new} new tokens exceeds the target's context "
+                f"of {self.target.max_positions} positions")
+        verifier = self.verifier_for(params.temperature)
+        generator = torch.Generator().manual_seed(0 if seed is None else int(seed))
+        loop = self._speculate if self.drafter is not None else self._plain
+
+        def run(stats):
+            return loop(ids, max_new, params, verifier, generator, stats)
+
+        return ids, run
+
+    def _finish(self, chunk: list[int], produced: int, max_new: int) -> tuple[list[int], bool]:
+        """Cut a committed chunk at EOS and at the token limit; say whether to stop."""
+        eos = set(self.target.eos_token_ids)
+        for i, tok in enumerate(chunk):
+            if tok in eos:
+                chunk = chunk[: i + 1]
+                break
+        chunk = chunk[: max_new - produced]
+        done = produced + len(chunk) >= max_new or (bool(chunk) and chunk[-1] in eos)
+        return chunk, done
+
+    @torch.inference_mode()
+    def _plain(self, ids, max_new, params, verifier, generator, stats) -> Iterator[list[int]]:
+        """Plain decoding with the target alone (the ``baseline`` stack)."""
+        target, cache = self.target, self.target.new_cache()
+        with stats.timed("prefill"):
+            hidden = target.forward(torch.tensor(ids), torch.arange(len(ids)), cache)
+            token = verifier.first_token(target.logits(hidden[-1:])[0], params, generator)
+        produced, pos = 0, len(ids)
+        while True:
+            chunk, done = self._finish([token], produced, max_new)
+            produced += len(chunk)
+            yield chunk
+            if done:
+                return
+            with stats.timed("verify"):
+                hidden = target.forward(torch.tensor([token]), torch.tensor([pos]), cache)
+                token = verifier.first_token(target.logits(hidden)[0], params, generator)
+            pos += 1
+
+    @torch.inference_mode()
+    def _speculate(self, ids, max_new, params, verifier, generator, stats) -> Iterator[list[int]]:
+        """Speculative decoding. Invariant at the top of each cycle: ``tokens`` are committed, the
+        target's cache holds all but the last of them (the root), ``features[p]`` is the target's
+        feature at position p, and the drafter's cache holds positions 1..``dcache.length``."""
+        target, cache, dcache = self.target, self.target.new_cache(), DraftCache()
+        with stats.timed("prefill"):
+            features = target.forward(torch.tensor(ids), torch.arange(len(ids)), cache)
+            first = verifier.first_token(target.logits(features[-1:])[0], params, generator)
+        tokens = [*ids, first]
+        chunk, done = self._finish([first], 0, max_new)
+        produced = len(chunk)
+        yield chunk
+        while not done:
+            root_pos = len(tokens) - 1
+            # the drafter consumes (x_p, f_{p-1}) for the positions it has not seen yet
+            fresh = slice(dcache.length + 1, root_pos + 1)
+            tree = self._draft(torch.tensor(tokens[fresh]), features[dcache.length:root_pos],
+                               root_pos, dcache, params, verifier, generator, stats)
+            with stats.timed("verify"):
+                positions = torch.tensor([root_pos + 1 + d for d in tree.depths])
+                hidden = target.forward(torch.tensor(tree.tokens), positions, cache,
+                                        tree_mask=tree.attention_mask())
+                path, bonus = verifier.verify(tree, target.logits(hidden), params, generator)
+                keep = torch.tensor([0, *path])
+                target.keep(cache, root_pos, keep)
+            features = torch.cat([features, hidden[keep]])
+            committed = [tree.tokens[n] for n in path] + [bonus]
+            tokens.extend(committed)
+            chunk, done = self._finish(committed, produced, max_new)
+            stats.accepted_lengths.append(len(chunk))  # what this cycle added to the output
+            produced += len(chunk)
+            yield chunk
+
+    def _draft(self, fresh_tokens, fresh_features, root_pos, dcache, params, verifier, generator,
+               stats) -> DraftTree:
+        """Grow the draft tree below the root (the last committed token)."""
+        cfg, target, drafter = self.stack.draft, self.target, self.drafter
+        dtype = drafter.fc.weight.dtype
+        emb = target.embed(fresh_tokens).to(dtype)
+        feats = fresh_features.to(dtype)
+        positions = torch.arange(root_pos - len(fresh_tokens) + 1, root_pos + 1)
+        with stats.timed("draft_core"):
+            out = drafter(emb[None], feats[None], positions[None], cache=dcache)[0][-1:]
+        base = dcache.length
+        step = DraftStep(depth=0, tokens=fresh_tokens[-1:], token_embeddings=emb[-1:],
+                         prev_hidden=feats[-1:])
+        tree = DraftTree.with_root(int(fresh_tokens[-1]))
+        frontier: list[int] = [0]
+        slots: dict[int, int] = {}  # tree node -> its entry in the drafter cache (beyond `base`)
+        for depth in range(cfg.depth):
+            counts = self._child_counts(tree, len(frontier), depth, verifier)
+            if not any(counts):
+                break
+            with stats.timed("router"):
+                shortlists = self.shortlister.propose(step, self.scheduler)
+            groups = ([(shortlists, list(range(len(frontier))))] if isinstance(shortlists, Shortlist)
+                      else [(sl, [row]) for row, sl in enumerate(shortlists)])
+            new_nodes, parent_row = [], {}
+            for shortlist, rows in groups:
+                stats.shortlist_sizes[depth].extend([shortlist.size(target.vocab_size)] * len(rows))
+                with stats.timed("head_gemm"):
+                    logits = self.backend.logits(out[rows], shortlist)
+                idx, logq, probs = verifier.propose(logits, max(counts[r] for r in rows), params,
+                                                    generator)
+                ids = idx if shortlist.token_ids is None else shortlist.token_ids[idx]
+                for i, row in enumerate(rows):
+                    node = frontier[row]
+                    if probs is not None:
+                        tree.draft_probs[node] = (shortlist.token_ids, probs[i])
+                    for tok, lq in zip(ids[i, : counts[row]].tolist(), logq[i, : counts[row]].tolist()):
+                        child = tree.add(node, tok, lq)
+                        new_nodes.append(child)
+                        parent_row[child] = row
+            if depth == cfg.depth - 1:
+                break
+            # expand the best new nodes: feed (token, parent's predicted feature) to the drafter
+            frontier = sorted(new_nodes, key=lambda n: (-tree.scores[n], n))[: cfg.topk]
+            toks = torch.tensor([tree.tokens[n] for n in frontier])
+            feats = out[torch.tensor([parent_row[n] for n in frontier])]
+            emb = target.embed(toks).to(dtype)
+            start = dcache.length
+            mask = torch.zeros(len(frontier), start + len(frontier), dtype=torch.bool)
+            mask[:, :base] = True  # the committed context, root included
+            for row, node in enumerate(frontier):
+                for ancestor in tree.ancestors(node)[1:]:
+                    if ancestor in slots:
+                        mask[row, slots[ancestor]] = True
+                slots[node] = start + row
+                mask[row, start + row] = True
+            positions = torch.full((1, len(frontier)), root_pos + 1 + depth)
+            with stats.timed("draft_core"):
+                out = drafter(emb[None], feats[None], positions, cache=dcache, mask=mask)[0]
+            step = DraftStep(depth=depth + 1, tokens=toks, token_embeddings=emb, prev_hidden=feats)
+        dcache.crop(base)
+        return tree.keep_best(cfg.total_tokens) if verifier.prunes else tree
+
+    def _child_counts(self, tree: DraftTree, n_frontier: int, depth: int, verifier) -> list[int]:
+        """How many children each frontier node gets at this depth."""
+        cfg = self.stack.draft
+        if verifier.prunes:
+            return [cfg.topk] * n_frontier
+        # The lossless sampler keeps every child it drew, so the node budget is spread over the
+        # depths up front; counts depend only on sizes, never on which tokens were drawn.
+        remaining = cfg.total_tokens - (len(tree) - 1)
+        per_depth = remaining // (cfg.depth - depth)
+        each = min(cfg.topk, per_depth // n_frontier)
+        if each:
+            return [each] * n_frontier
+        return [1 if row < per_depth else 0 for row in range(n_frontier)]
+
+
+def _resolve_artifact(ref: str) -> str:
+    from .targets import resolve_artifact
+
+    return str(resolve_artifact(ref))

@@ -1,0 +1,72 @@
+"""The interfaces of the four component families. Plugins implement them; the engine calls them.
+
+They are structural (``typing.Protocol``): a plugin need not inherit from anything.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+import attrs
+import torch
+
+from .tree import DraftTree
+from .types import DraftStep, Shortlist
+
+
+@attrs.frozen
+class DecodeParams:
+    """Per-generation sampling parameters (temperature 0 = greedy)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """``schedule budget``: how large the shortlist may be at a draft depth."""
+
+    def budget(self, *, depth: int, scores: torch.Tensor | None = None) -> int:
+        """Budget at draft depth ``depth`` (0 = first drafted token). Its unit is the
+        shortlister's (tokens for frequency lists, clusters for the router). ``scores`` are the
+        shortlister's per-row candidate scores when it has them (confidence-aware schedulers)."""
+
+
+@runtime_checkable
+class Shortlister(Protocol):
+    """``propose shortlist``: the vocabulary rows the draft head scores at one step."""
+
+    def propose(self, step: DraftStep, scheduler: Scheduler) -> Shortlist | Sequence[Shortlist]:
+        """One shortlist shared by every row of ``step``, or one per row."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """``draft-head matmul``: drafter hidden states times the shortlisted LM-head rows."""
+
+    def logits(self, hidden: torch.Tensor, shortlist: Shortlist) -> torch.Tensor:
+        """``hidden`` [R, d] -> float32 logits [R, n]; column j belongs to ``shortlist.token_ids[j]``
+        (to token j when the shortlist is the full vocabulary)."""
+
+
+@runtime_checkable
+class Verifier(Protocol):
+    """``verify``: decides what the target accepts; decides how children are drafted."""
+
+    #: True when the drafted tree may be pruned by draft scores (EAGLE-2 rerank) without changing
+    #: the output distribution. The lossless sampler needs the children it drew, as drawn.
+    prunes: bool
+
+    def first_token(self, logits: torch.Tensor, params: DecodeParams,
+                    generator: torch.Generator) -> int:
+        """The next token from full-vocabulary target logits [V]."""
+
+    def propose(self, logits: torch.Tensor, k: int, params: DecodeParams,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Children to draft from draft logits [R, n]: (column indices [R, k'], their draft
+        log-probabilities [R, k'], the draft distribution [R, n] they were drawn from or None)."""
+
+    def verify(self, tree: DraftTree, logits: torch.Tensor, params: DecodeParams,
+               generator: torch.Generator) -> tuple[list[int], int]:
+        """Given target logits [N, V] at every tree node, the accepted path (node indices, root
+        excluded) and the bonus token sampled at its end."""

@@ -1,0 +1,76 @@
+"""Per-generation statistics."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from contextlib import contextmanager
+from typing import Any
+
+import attrs
+
+#: Wall-time buckets of a speculative generation.
+TIME_KEYS = ("prefill", "draft_core", "router", "head_gemm", "verify")
+
+
+@attrs.define
+class GenerationStats:
+    """Counts and timings of one generation.
+
+    ``accepted_lengths[c]`` is the number of tokens committed by cycle ``c`` (accepted drafts plus
+    the bonus token), the definition of the paper and Spec-Bench; the first token, produced by the
+    prefill, belongs to no cycle.
+    """
+
+    new_tokens: int = 0
+    accepted_lengths: list[int] = attrs.field(factory=list)
+    shortlist_sizes: dict[int, list[int]] = attrs.field(factory=lambda: defaultdict(list))
+    times: dict[str, float] = attrs.field(factory=lambda: dict.fromkeys(TIME_KEYS, 0.0))
+    wall_time: float = 0.0
+
+    @contextmanager
+    def timed(self, key: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[key] += time.perf_counter() - start
+
+    @property
+    def cycles(self) -> int:
+        return len(self.accepted_lengths)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return sum(self.accepted_lengths) / self.cycles if self.cycles else 0.0
+
+    @property
+    def accepted_length_histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.accepted_lengths).items()))
+
+    @property
+    def mean_shortlist_size(self) -> float:
+        sizes = [s for per_depth in self.shortlist_sizes.values() for s in per_depth]
+        return sum(sizes) / len(sizes) if sizes else 0.0
+
+    @property
+    def shortlist_size_per_depth(self) -> dict[int, float]:
+        return {d: sum(v) / len(v) for d, v in sorted(self.shortlist_sizes.items()) if v}
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_time if self.wall_time > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "new_tokens": self.new_tokens,
+            "cycles": self.cycles,
+            "mean_accepted_length": self.mean_accepted_length,
+            "accepted_length_histogram": {str(k): v for k, v in self.accepted_length_histogram.items()},
+            "accepted_lengths": list(self.accepted_lengths),
+            "mean_shortlist_size": self.mean_shortlist_size,
+            "shortlist_size_per_depth": {str(k): v for k, v in self.shortlist_size_per_depth.items()},
+            "times": dict(self.times),
+            "wall_time": self.wall_time,
+            "tokens_per_second": self.tokens_per_second,
+        }

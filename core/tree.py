@@ -1,0 +1,78 @@
+"""The draft tree: node 0 is the root (the last committed token, not yet seen by the target);
+every other node is a drafted token. A chain is a tree whose nodes have one child each."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+
+@attrs.define
+class DraftTree:
+    """Drafted tokens with their parents, depths and cumulative draft log-probabilities.
+
+    ``children[i]`` lists node ``i``'s children in the order they were proposed (for sampling
+    verification this is the order they were sampled without replacement). ``draft_probs[i]``
+    holds ``(token_ids or None, probs)``: the draft distribution node ``i``'s children were drawn
+    from, on the shortlist (``None`` = full vocabulary); the sampling verifier needs it.
+    """
+
+    tokens: list[int]
+    parents: list[int] = attrs.field(factory=lambda: [-1])
+    depths: list[int] = attrs.field(factory=lambda: [-1])
+    scores: list[float] = attrs.field(factory=lambda: [0.0])
+    children: dict[int, list[int]] = attrs.field(factory=dict)
+    draft_probs: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = attrs.field(factory=dict)
+
+    @classmethod
+    def with_root(cls, token: int) -> "DraftTree":
+        return cls(tokens=[int(token)])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, logq: float) -> int:
+        node = len(self.tokens)
+        self.tokens.append(int(token))
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.scores.append(self.scores[parent] + float(logq))
+        self.children.setdefault(parent, []).append(node)
+        return node
+
+    def ancestors(self, node: int) -> list[int]:
+        """``node`` and its ancestors up to (and including) the root, deepest first."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out
+
+    def keep_best(self, total: int) -> "DraftTree":
+        """The ``total`` highest-scoring drafted nodes (EAGLE-2 rerank), with the root.
+
+        Scores never increase from parent to child, and ties go to the shallower node, so the kept
+        set is closed under ancestors.
+        """
+        ranked = sorted(range(1, len(self)), key=lambda i: (-self.scores[i], self.depths[i], i))
+        keep = sorted([0, *ranked[:total]], key=lambda i: (self.depths[i], i))
+        remap = {old: new for new, old in enumerate(keep)}
+        out = DraftTree(tokens=[self.tokens[i] for i in keep],
+                        parents=[remap.get(self.parents[i], -1) for i in keep],
+                        depths=[self.depths[i] for i in keep],
+                        scores=[self.scores[i] for i in keep])
+        for old in keep:
+            kids = [remap[c] for c in self.children.get(old, []) if c in remap]
+            if kids:
+                out.children[remap[old]] = kids
+            if old in self.draft_probs:
+                out.draft_probs[remap[old]] = self.draft_probs[old]
+        return out
+
+    def attention_mask(self) -> torch.Tensor:
+        """bool [N, N]: node i may attend to node j iff j is i or one of its ancestors."""
+        n = len(self)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            mask[i, self.ancestors(i)] = True
+        return mask

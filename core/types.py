@@ -1,0 +1,72 @@
+"""Value types shared by the engine and every plugin family.
+
+They live in the core so that backends never import shortlisters, schedulers never import
+shortlisters, and the engine imports none of the three.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import attrs
+import torch
+
+
+@attrs.frozen(eq=False)
+class Shortlist:
+    """The vocabulary rows the draft head scores at one draft step.
+
+    ``token_ids`` is a 1-D ``LongTensor`` of vocabulary ids, or ``None`` for the full vocabulary.
+    Column ``j`` of the draft logits belongs to ``token_ids[j]``.
+
+    ``spans`` optionally describes the same set as contiguous ``[start, end)`` ranges of rows in a
+    permuted LM-head layout (``BuildContext.head_layout``), so that a blocked backend can multiply
+    slices without a gather; ``token_ids`` then lists the ids in that span order.
+    """
+
+    token_ids: torch.Tensor | None = None
+    spans: tuple[tuple[int, int], ...] | None = None
+
+    @classmethod
+    def full(cls) -> "Shortlist":
+        """The whole vocabulary."""
+        return cls(None)
+
+    @property
+    def is_full(self) -> bool:
+        return self.token_ids is None
+
+    def size(self, vocab_size: int) -> int:
+        """Number of candidate tokens."""
+        return vocab_size if self.token_ids is None else int(self.token_ids.numel())
+
+
+@attrs.define
+class DraftStep:
+    """What a shortlister sees at one draft step (depth ``t``) for ``R`` rows (tree nodes).
+
+    ``token_embeddings`` is ``E(x_t)`` and ``prev_hidden`` is ``H~_{t-1}``: exactly the pair the
+    drafter consumes at this step, so a router can run beside the draft decoder layer.
+    """
+
+    depth: int
+    tokens: torch.Tensor  # [R] token ids x_t
+    token_embeddings: torch.Tensor  # [R, d]
+    prev_hidden: torch.Tensor  # [R, d]
+
+
+@attrs.define
+class BuildContext:
+    """Everything a component factory may need about the target, handed over once at assembly."""
+
+    vocab_size: int
+    hidden_size: int
+    lm_head_weight: torch.Tensor  # [V, d], the target's output embedding (not copied)
+    special_token_ids: tuple[int, ...]  # ids the decoder needs (EOS, end of turn): never dropped
+    target_fingerprint: Mapping[str, Any]
+    device: torch.device = torch.device("cpu")
+    tokenizer: Any = None
+    #: Resolve a path or built-in artifact name to a filesystem path.
+    resolve_artifact: Callable[[str], str] = str
+    #: Row permutation of the LM head a shortlister wants its spans to refer to (set by shortlisters).
+    head_layout: torch.Tensor | None = None

@@ -1,0 +1,36 @@
+"""nox sessions: `nox -s tests` (once per draft-head backend), `nox -s lint`, `nox -s bench`.
+
+Sessions run in the current environment (torch is large; a CPU build is installed once, see the
+README), with the package installed editable.
+"""
+
+import nox
+
+nox.options.sessions = ["tests", "lint"]
+
+BACKENDS = ["torch"]
+
+
+@nox.session(venv_backend="none")
+@nox.parametrize("backend", BACKENDS)
+def tests(session: nox.Session, backend: str) -> None:
+    """The test suite with the engine's draft head on one backend."""
+    session.run("python", "-m", "pip", "install", "--quiet", "-e", ".[test,data]", external=True)
+    session.run("python", "-m", "pytest", "-q", "-m", "not slow", *session.posargs,
+                env={"DYNASPEC_TEST_BACKEND": backend})
+
+
+@nox.session(venv_backend="none")
+def lint(session: nox.Session) -> None:
+    """ruff over the sources and tests."""
+    session.run("python", "-m", "pip", "install", "--quiet", "ruff", external=True)
+    session.run("ruff", "check", "core", "plugins", "shortlisters", "schedulers", "tests", "noxfile.py",
+                external=True)
+
+
+@nox.session(venv_backend="none")
+def bench(session: nox.Session) -> None:
+    """A short side-by-side generation benchmark on the default target."""
+    session.run("python", "-m", "pip", "install", "--quiet", "-e", ".", external=True)
+    session.run("dynaspec", "generate", "Write a short story about a lighthouse keeper.",
+                "--max-new-tokens", "64", external=True)

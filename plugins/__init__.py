@@ -1,0 +1,1 @@
+"""Built-in plugins: draft-head GEMM backends and verifiers."""

@@ -1,0 +1,132 @@
+"""Built-in verifiers: ``greedy`` and lossless speculative ``sampling``.
+
+Both verify on the target's full-vocabulary logits, so the output is exactly the target's: greedy
+output is token-for-token the target's greedy decoding, sampled output has the target's
+distribution (temperature and top-p applied to the target as in plain sampling).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynaspec.errors import ConfigError
+from dynaspec.hookspecs import hookimpl
+from dynaspec.protocols import DecodeParams
+from dynaspec.registry import Component
+from dynaspec.tree import DraftTree
+
+
+def sampling_distribution(logits: torch.Tensor, params: DecodeParams) -> torch.Tensor:
+    """Probabilities after temperature and top-p (nucleus: the smallest set of most likely tokens
+    whose mass reaches ``top_p``), over the last dimension."""
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p
+        sorted_p = sorted_p.masked_fill(mass_before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+class GreedyVerifier:
+    """Accept a drafted token while it equals the target's argmax."""
+
+    prunes = True
+
+    def first_token(self, logits, params, generator) -> int:
+        return int(logits.argmax())
+
+    def propose(self, logits, k, params, generator):
+        k = min(k, logits.shape[-1])
+        top, idx = logits.topk(k, dim=-1)
+        logq = top - torch.logsumexp(logits, dim=-1, keepdim=True)
+        return idx, logq, None
+
+    def verify(self, tree: DraftTree, logits, params, generator):
+        best = logits.argmax(-1).tolist()
+        path, node = [], 0
+        while True:
+            match = [c for c in tree.children.get(node, []) if tree.tokens[c] == best[node]]
+            if not match:
+                return path, best[node]
+            node = match[0]
+            path.append(node)
+
+
+class SamplingVerifier:
+    """Lossless speculative sampling with recursive rejection over tree siblings.
+
+    Children of a node are drawn *without replacement* from the draft distribution q (Gumbel
+    top-k). Sibling ``c`` is accepted with probability ``min(1, p(c)/q(c))``; on rejection the
+    target distribution becomes the residual ``norm(max(p - q, 0))`` and q loses ``c`` and is
+    renormalised (exactly the distribution the next sibling was drawn from). If every sibling is
+    rejected the bonus token is drawn from the final residual. Each stage is a standard
+    speculative-sampling step, so the committed token has the target's distribution.
+    """
+
+    prunes = False
+
+    def first_token(self, logits, params, generator) -> int:
+        return int(torch.multinomial(sampling_distribution(logits, params), 1, generator=generator))
+
+    def propose(self, logits, k, params, generator):
+        q = sampling_distribution(logits, params)
+        gumbel = -torch.log(-torch.log(
+            torch.rand(q.shape, generator=generator, device=q.device).clamp_(1e-20, 1.0 - 1e-7)))
+        keys = torch.log(q) + gumbel  # -inf where q == 0: never drawn
+        k = min(k, int((q > 0).sum(-1).min()))
+        _, idx = keys.topk(k, dim=-1)
+        return idx, torch.log(q.gather(-1, idx)), q
+
+    def verify(self, tree: DraftTree, logits, params, generator):
+        vocab = logits.shape[-1]
+        path, node = [], 0
+        while True:
+            p = sampling_distribution(logits[node], params)
+            kids = tree.children.get(node, [])
+            accepted = None
+            if kids:
+                ids, q_short = tree.draft_probs[node]
+                q = q_short.float() if ids is None else torch.zeros(vocab).index_put_(
+                    (ids,), q_short.float())
+                for child in kids:
+                    token = tree.tokens[child]
+                    ratio = p[token] / q[token]
+                    if torch.rand((), generator=generator) < ratio:
+                        accepted = child
+                        break
+                    residual = (p - q).clamp_(min=0.0)
+                    total = residual.sum()
+                    p = residual / total if total > 0 else p
+                    q = q.clone()
+                    q[token] = 0.0
+                    q_total = q.sum()
+                    if q_total <= 0:
+                        break
+                    q = q / q_total
+            if accepted is None:
+                return path, int(torch.multinomial(p, 1, generator=generator))
+            path.append(accepted)
+            node = accepted
+
+
+def _greedy(params, ctx):
+    if params:
+        raise ConfigError(f"verifier 'greedy' takes no parameters, got {sorted(params)}")
+    return GreedyVerifier()
+
+
+def _sampling(params, ctx):
+    if params:
+        raise ConfigError(f"verifier 'sampling' takes no parameters, got {sorted(params)}")
+    return SamplingVerifier()
+
+
+@hookimpl
+def dynaspec_verifiers():
+    return [
+        Component("greedy", _greedy, "accept while the draft equals the target argmax"),
+        Component("sampling", _sampling,
+                  "lossless speculative sampling, recursive rejection over siblings"),
+    ]

@@ -1,0 +1,32 @@
+"""The ``fixed`` scheduler: the same budget at every draft depth."""
+
+from __future__ import annotations
+
+from dynaspec.errors import ConfigError
+from dynaspec.hookspecs import hookimpl
+from dynaspec.registry import Component
+
+
+class FixedBudget:
+    """``budget`` at every depth (tokens or clusters, in the shortlister's unit)."""
+
+    def __init__(self, budget: int) -> None:
+        self.value = budget
+
+    def budget(self, *, depth: int, scores=None) -> int:
+        return self.value
+
+
+def _fixed(params, ctx):
+    params = dict(params)
+    budget = params.pop("budget", 32768)
+    if params:
+        raise ConfigError(f"scheduler 'fixed' has no parameter(s) {sorted(params)}; it takes 'budget'")
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise ConfigError(f"scheduler.budget = {budget!r} is invalid: must be an integer >= 1")
+    return FixedBudget(budget)
+
+
+@hookimpl
+def dynaspec_schedulers():
+    return [Component("fixed", _fixed, "the same budget at every draft depth")]

@@ -1,0 +1,26 @@
+"""The ``full`` shortlister: no shortlist, the draft head scores the whole vocabulary."""
+
+from __future__ import annotations
+
+from dynaspec.errors import ConfigError
+from dynaspec.hookspecs import hookimpl
+from dynaspec.registry import Component
+from dynaspec.types import Shortlist
+
+
+class FullVocabulary:
+    """Always the full vocabulary (EAGLE's draft head)."""
+
+    def propose(self, step, scheduler) -> Shortlist:
+        return Shortlist.full()
+
+
+def _full(params, ctx):
+    if params:
+        raise ConfigError(f"shortlister 'full' takes no parameters, got {sorted(params)}")
+    return FullVocabulary()
+
+
+@hookimpl
+def dynaspec_shortlisters():
+    return [Component("full", _full, "the whole vocabulary (EAGLE)")]

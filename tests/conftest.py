@@ -1,0 +1,81 @@
+"""Shared fixtures: fresh registries with autoloading off, tiny random targets, trained drafters."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+from dynaspec import builtin_stacks
+from dynaspec.config import stack_from_mapping
+from dynaspec.drafter import Drafter, DrafterConfig
+from dynaspec.engine import Engine
+from dynaspec.plugins import torch_backend, verifiers
+from dynaspec.registry import Registry
+from dynaspec.schedulers import fixed
+from dynaspec.shortlisters import full
+from dynaspec.targets import tiny_target
+from dynaspec.training import greedy_sequences, train_drafter
+
+# tiny models gain nothing from threads, and threads suffer badly on a shared 2-core machine
+torch.set_num_threads(1)
+
+BUILTIN_MODULES = (builtin_stacks, torch_backend, verifiers, full, fixed)
+
+
+def builtin_registry(*extra) -> Registry:
+    """A fresh registry with the built-ins (as distribution 'dynaspec') and ``extra`` plugins."""
+    registry = Registry.create(entry_points=False)
+    for module in BUILTIN_MODULES:
+        registry.add_plugin(module, name=module.__name__, distribution="dynaspec", version="test")
+    for plugin in extra:
+        registry.add_plugin(plugin)
+    return registry
+
+
+@pytest.fixture
+def registry() -> Registry:
+    return builtin_registry()
+
+
+@functools.lru_cache(maxsize=None)
+def target(kind: str):
+    return tiny_target(kind)
+
+
+@functools.lru_cache(maxsize=None)
+def trained_drafter(kind: str) -> Drafter:
+    """A drafter trained for a few seconds on the tiny target's own greedy text."""
+    tgt = target(kind)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 99, (6,), generator=gen).tolist() for _ in range(24)]
+    torch.manual_seed(1)
+    drafter = Drafter(DrafterConfig.like_target(tgt.model.config),
+                      meta={"target": tgt.fingerprint()})
+    train_drafter(drafter, tgt, greedy_sequences(tgt, prompts, 48), steps=300)
+    return drafter
+
+
+def random_drafter(kind: str, seed: int = 1) -> Drafter:
+    torch.manual_seed(seed)
+    tgt = target(kind)
+    return Drafter(DrafterConfig.like_target(tgt.model.config), meta={"target": tgt.fingerprint()}).eval()
+
+
+#: The draft-head backend the engine tests run with (nox runs the suite once per backend).
+BACKEND = os.environ.get("DYNASPEC_TEST_BACKEND", "torch")
+
+
+def make_engine(kind: str, drafter: Drafter | None, registry: Registry, **fields) -> Engine:
+    data = {"name": "test", "target": f"tiny-{kind}", "drafter": "in-memory" if drafter else None,
+            "backend": BACKEND}
+    data.update(fields)
+    return Engine(stack_from_mapping(data), target(kind), drafter, registry=registry)
+
+
+def reference_greedy(kind: str, prompt: list[int], n: int) -> list[int]:
+    """The target's own greedy decoding through Hugging Face ``generate``."""
+    out = target(kind).model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()

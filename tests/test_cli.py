@@ -1,0 +1,119 @@
+"""The command line: generate (text and --json), plugins, stacks, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import reference_greedy, trained_drafter
+from dynaspec.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_stack(tmp_path_factory):
+    """A stack file for the tiny Llama target with a trained drafter saved as an artifact."""
+    root = tmp_path_factory.mktemp("tiny")
+    trained_drafter("llama").save(root / "drafter-llama")
+    trained_drafter("gemma3").save(root / "drafter-gemma3")
+    stack = root / "tiny.toml"
+    stack.write_text(f'name = "tiny"\ntarget = "tiny-llama"\ndrafter = "{root / "drafter-llama"}"\n'
+                     '[draft]\nmode = "tree"\ndepth = 4\ntopk = 4\ntotal_tokens = 16\n')
+    return root, stack
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_json(capsys, tiny_stack):
+    _, stack = tiny_stack
+    code, out, _ = run(capsys, "generate", "Hello there", "--stack", str(stack),
+                       "--max-new-tokens", "24", "--json")
+    assert code == 0
+    data = json.loads(out)
+    for key in ("text", "token_ids", "new_tokens", "cycles", "mean_accepted_length",
+                "mean_shortlist_size", "tokens_per_second", "stack"):
+        assert key in data
+    assert data["stack"] == "tiny" and data["new_tokens"] == 24 == len(data["token_ids"])
+    from conftest import target
+
+    prompt = target("llama").tokenizer("Hello there")["input_ids"]
+    assert data["token_ids"] == reference_greedy("llama", prompt, 24)
+    assert data["mean_shortlist_size"] == 128
+
+
+def test_generate_text_and_summary(capsys, tiny_stack):
+    _, stack = tiny_stack
+    code, out, err = run(capsys, "generate", "abc", "--stack", str(stack), "--max-new-tokens", "10",
+                         "--temperature", "0.8", "--seed", "3")
+    assert code == 0 and out.endswith("\n")
+    assert "10 new tokens" in err and "mean accepted length" in err and "tokens/s" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--stack", "no-such-stack"], "unknown stack 'no-such-stack'; available:"),
+    (["--set", "draft.depth=0"], "draft.depth = 0 is invalid"),
+    (["--temperature", "-1"], "decode.temperature = -1.0 is invalid"),
+    (["--set", "shortlister=nope"], "unknown shortlister 'nope'; available: full"),
+    (["--set", "verifier=greedy", "--temperature", "0.5"], "greedy verifier"),
+])
+def test_errors_are_one_line(capsys, tiny_stack, argv, message):
+    _, stack = tiny_stack
+    argv = ["generate", "hi", "--stack", str(stack), *argv] if "--stack" not in argv else ["generate", "hi", *argv]
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("dynaspec: error: ") and message in err and err.count("\n") == 1
+
+
+def test_empty_and_too_long_prompts(capsys, tiny_stack):
+    _, stack = tiny_stack
+    code, _, err = run(capsys, "generate", "   ", "--stack", str(stack))
+    assert code == 2 and "the prompt is empty" in err
+    code, _, err = run(capsys, "generate", "x" * 600, "--stack", str(stack))
+    assert code == 2 and "exceeds the target's context of 512" in err
+
+
+def test_drafter_for_another_target_is_refused(capsys, tiny_stack):
+    root, stack = tiny_stack
+    code, _, err = run(capsys, "generate", "hi", "--stack", str(stack),
+                       "--set", f"drafter={root / 'drafter-gemma3'}")
+    assert code == 2 and "was built for another target" in err
+
+
+def test_drafter_with_other_hidden_size_is_refused(tmp_path):
+    from dynaspec.drafter import Drafter, DrafterConfig
+    from dynaspec.errors import ArtifactMismatchError
+    from dynaspec.targets import load_drafter, tiny_target
+
+    tgt = tiny_target("llama")
+    cfg = DrafterConfig(hidden_size=48, intermediate_size=64, num_heads=4, num_kv_heads=2,
+                        head_dim=12, vocab_size=128)
+    Drafter(cfg, meta={"target": tgt.fingerprint()}).save(tmp_path)
+    with pytest.raises(ArtifactMismatchError, match="hidden_size"):
+        load_drafter(str(tmp_path), tgt)
+
+
+def test_plugins_and_stacks_listing(capsys):
+    code, out, _ = run(capsys, "plugins")
+    assert code == 0 and "dynaspec" in out and "shortlister:full" in out and "verifier:sampling" in out
+    code, out, _ = run(capsys, "plugins", "--json")
+    assert any(row["components"] == "backend:torch" for row in json.loads(out))
+    code, out, _ = run(capsys, "stacks")
+    assert code == 0 and "eagle" in out and "baseline" in out
+    code, out, _ = run(capsys, "stacks", "eagle")
+    assert json.loads(out)["draft"]["depth"] == 6
+
+
+def test_help_is_fast_and_torch_free():
+    import subprocess
+    import sys
+
+    code = ("import sys, dynaspec.cli as c\n"
+            "try:\n    c.main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().endswith("False")
+    assert "generate" in out.stdout
