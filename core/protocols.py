@@ -68,5 +68,6 @@ class Verifier(Protocol):
 
     def verify(self, tree: DraftTree, logits: torch.Tensor, params: DecodeParams,
                generator: torch.Generator) -> tuple[list[int], int]:
-        """Given target logits [N, V] at every tree node, the accepted path (node indices, root
-        excluded) and the bonus token sampled at its end."""
+        """Given the target's logits at the tree nodes (``logits[i]`` is node i's full-vocabulary
+        row [V], computed when first read), the accepted path (node indices, root excluded) and
+        the bonus token sampled at its end."""

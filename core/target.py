@@ -24,7 +24,7 @@ class TargetModel:
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, name: str = "target") -> None:
-        self.model = model.eval()
+        self.model = model.eval().requires_grad_(False)  # the target is never trained here
         self.tokenizer = tokenizer
         self.name = name
         self.config = model.config.get_text_config(decoder=True) if hasattr(

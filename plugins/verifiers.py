@@ -44,12 +44,12 @@ class GreedyVerifier:
         return idx, logq, None
 
     def verify(self, tree: DraftTree, logits, params, generator):
-        best = logits.argmax(-1).tolist()
         path, node = [], 0
         while True:
-            match = [c for c in tree.children.get(node, []) if tree.tokens[c] == best[node]]
+            best = int(logits[node].argmax())
+            match = [c for c in tree.children.get(node, []) if tree.tokens[c] == best]
             if not match:
-                return path, best[node]
+                return path, best
             node = match[0]
             path.append(node)
 
@@ -80,10 +80,10 @@ class SamplingVerifier:
         return idx, torch.log(q.gather(-1, idx)), q
 
     def verify(self, tree: DraftTree, logits, params, generator):
-        vocab = logits.shape[-1]
         path, node = [], 0
         while True:
             p = sampling_distribution(logits[node], params)
+            vocab = p.shape[-1]
             kids = tree.children.get(node, [])
             accepted = None
             if kids:

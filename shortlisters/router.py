@@ -1,0 +1,174 @@
+"""The DynaSpec router and the ``dynaspec`` shortlister.
+
+The router ``r([E(x_t), H~_{t-1}]) -> R^M`` scores the vocabulary clusters from the two inputs the
+drafter consumes at a draft step (so it can run beside the draft decoder layer). The shortlist at
+depth ``t`` is the union of the top ``k_c(t)`` clusters (``k_c`` from the scheduler), plus the
+special tokens, which always form a span of their own at the front of the head layout.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dynaspec.drafter import atomic_write, check_fingerprint
+from dynaspec.errors import ConfigError
+from dynaspec.hookspecs import hookimpl
+from dynaspec.registry import Component
+from dynaspec.types import BuildContext, DraftStep, Shortlist
+
+from .clusters import load_clusters
+
+FORMAT = "dynaspec-router/1"
+FILE = "router.safetensors"
+
+
+@attrs.frozen
+class RouterConfig:
+    hidden_size: int  # d of the target (each of the two inputs)
+    width: int
+    clusters: int
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+
+
+class Router(nn.Module):
+    """Two-layer MLP over ``[rms(E(x_t)), rms(H~_{t-1})]`` -> cluster logits."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.inp = nn.Linear(2 * cfg.hidden_size, cfg.width)
+        self.out = nn.Linear(cfg.width, cfg.clusters)
+
+    def forward(self, token_embeddings: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([_rms(token_embeddings), _rms(prev_hidden)], dim=-1).to(self.inp.weight.dtype)
+        return self.out(F.silu(self.inp(x)))
+
+    def save(self, path: str | Path, meta: dict[str, Any]) -> Path:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        if path.suffix != ".safetensors":
+            path.mkdir(parents=True, exist_ok=True)
+            path = path / FILE
+        tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.state_dict().items()}
+        metadata = {"format": FORMAT, "config": json.dumps(attrs.asdict(self.cfg)),
+                    "meta": json.dumps(meta, sort_keys=True)}
+        atomic_write(path, lambda p: save_file(tensors, str(p), metadata=metadata))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, fingerprint: dict[str, Any] | None) -> tuple["Router", dict[str, Any]]:
+        from safetensors import safe_open
+
+        path = Path(path)
+        if path.is_dir():
+            path = path / FILE
+        if not path.is_file():
+            raise ConfigError(f"no router at {path}")
+        with safe_open(str(path), framework="pt") as fh:
+            metadata = fh.metadata() or {}
+            if metadata.get("format") != FORMAT:
+                raise ConfigError(f"{path}: not a dynaspec router")
+            state = {k: fh.get_tensor(k).float() for k in fh.keys()}
+        meta = json.loads(metadata["meta"])
+        if fingerprint is not None:
+            check_fingerprint(meta.get("target"), fingerprint, what=f"router {path}")
+        router = cls(RouterConfig(**json.loads(metadata["config"])))
+        router.load_state_dict(state)
+        return router.eval(), meta
+
+
+class ClusterLayout:
+    """Clusters laid out contiguously: special tokens first (always on), then cluster by cluster."""
+
+    def __init__(self, assignment: torch.Tensor, clusters: int, special: tuple[int, ...]) -> None:
+        special_t = torch.tensor(sorted(set(special)), dtype=torch.long)
+        assignment = assignment.long().clone()
+        keep = torch.ones_like(assignment, dtype=torch.bool)
+        keep[special_t] = False
+        ids = torch.arange(assignment.numel())[keep]
+        order = ids[torch.argsort(assignment[keep], stable=True)]
+        sizes = torch.bincount(assignment[keep], minlength=clusters)
+        self.n_special = special_t.numel()
+        self.order = torch.cat([special_t, order])  # the head layout (a permutation of the vocabulary)
+        self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)]) + self.n_special
+        self.sizes = sizes
+        self.members = [self.order[self.offsets[m]:self.offsets[m + 1]] for m in range(clusters)]
+        self.special = special_t
+
+    def shortlist(self, selected: list[int]) -> Shortlist:
+        """Union of the selected clusters and the special tokens, with merged layout spans."""
+        selected = sorted(set(selected))
+        spans: list[list[int]] = [[0, self.n_special]] if self.n_special else []
+        for m in selected:
+            a, b = int(self.offsets[m]), int(self.offsets[m + 1])
+            if a == b:
+                continue
+            if spans and spans[-1][1] == a:
+                spans[-1][1] = b
+            else:
+                spans.append([a, b])
+        ids = torch.cat([self.special, *[self.members[m] for m in selected]]) if selected else self.special
+        return Shortlist(ids, spans=tuple((a, b) for a, b in spans))
+
+
+class DynaSpecShortlister:
+    """Routes each draft step to the top ``k_c(t)`` vocabulary clusters."""
+
+    def __init__(self, router: Router, layout: ClusterLayout, *, per_row: bool = False) -> None:
+        self.router = router
+        self.layout = layout
+        self.head_layout = layout.order
+        self.per_row = per_row
+
+    @torch.inference_mode()
+    def propose(self, step: DraftStep, scheduler):
+        scores = torch.softmax(self.router(step.token_embeddings, step.prev_hidden).float(), dim=-1)
+        k = max(1, min(int(scheduler.budget(depth=step.depth, scores=scores)), scores.shape[-1]))
+        top = scores.topk(k, dim=-1).indices
+        if self.per_row:
+            return [self.layout.shortlist(row.tolist()) for row in top]
+        return self.layout.shortlist(top.flatten().tolist())
+
+
+def _dynaspec(params: dict, ctx: BuildContext) -> DynaSpecShortlister:
+    params = dict(params)
+    clusters_path, router_path = params.pop("clusters", None), params.pop("router", None)
+    per_row = bool(params.pop("per_row", False))
+    if params:
+        raise ConfigError(f"shortlister 'dynaspec' has no parameter(s) {sorted(params)}; "
+                          "it takes 'clusters', 'router' and 'per_row'")
+    if not clusters_path or not router_path:
+        raise ConfigError("shortlister 'dynaspec' needs 'clusters' and 'router' artifacts "
+                          "(see `dynaspec build-clusters` and `dynaspec train-router`)")
+    fingerprint = dict(ctx.target_fingerprint)
+    data = load_clusters(ctx.resolve_artifact(str(clusters_path)), fingerprint)
+    router, meta = Router.load(ctx.resolve_artifact(str(router_path)), fingerprint)
+    m = data["centroids"].shape[0]
+    if router.cfg.clusters != m:
+        raise ConfigError(f"router scores {router.cfg.clusters} clusters but the cluster file has {m}")
+    if meta.get("clusters_sha") and meta["clusters_sha"] != cluster_digest(data["assignment"]):
+        raise ConfigError("the router was trained for another clustering of the vocabulary")
+    layout = ClusterLayout(data["assignment"], m, ctx.special_token_ids)
+    return DynaSpecShortlister(router, layout, per_row=per_row)
+
+
+def cluster_digest(assignment: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(assignment.to(torch.int32).contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+@hookimpl
+def dynaspec_shortlisters():
+    return [Component("dynaspec", _dynaspec, "context-routed union of vocabulary clusters (DynaSpec)")]

@@ -1,0 +1,113 @@
+"""``dynaspec train-router``: train the DynaSpec router on collected ShareGPT-train shards.
+
+Examples come from the target's own greedy continuations in the shards written by
+``dynaspec train-drafter --stage collect``: at position ``p`` the router reads ``(E(x_p), h_{p-1})``
+and must put the target's next token ``x_{p+1}`` (its greedy choice, hence exact) into the top
+clusters. ``h_{p-1}`` is the target's feature (what draft depth 0 sees) or, for a second copy of
+each example, the drafter's own prediction of it (what deeper draft steps see). The loss is the
+cross-entropy on the cluster of the next token; recall at several budgets is reported on held-out
+shards. Checkpoints and the final router are written atomically as safetensors.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dynaspec.drafter import Drafter
+
+from .router import Router, RouterConfig, cluster_digest
+
+
+@torch.no_grad()
+def router_examples(shard: dict[str, torch.Tensor], embed, assignment: torch.Tensor,
+                    drafter: Drafter | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(E(x_p) [N, d], h_{p-1} [N, d], cluster label [N]) over the continuation positions."""
+    tokens, feats = shard["tokens"].long(), shard["features"]
+    offs = shard["offsets"].tolist()
+    embs, prevs, labels = [], [], []
+    for k, plen in enumerate(shard["prompt_lens"].tolist()):
+        a, b = offs[k], offs[k + 1]
+        seq, f = tokens[a:b], feats[a:b].float()
+        first = max(plen - 1, 2)  # positions whose next token the target generated
+        if b - a < first + 2:
+            continue
+        p = torch.arange(first, b - a - 1)
+        e = embed(seq).float()
+        variants = [f[p - 1]]
+        if drafter is not None:
+            pos = torch.arange(1, b - a)[None]
+            pred = drafter(e[1:][None], f[:-1][None], pos)[0]  # pred[j] ~ f[j + 1]
+            variants.append(pred[p - 2].float())
+        for prev in variants:
+            embs.append(e[p])
+            prevs.append(prev)
+            labels.append(assignment[seq[p + 1]].long())
+    if not embs:
+        d = feats.shape[1]
+        return torch.zeros(0, d), torch.zeros(0, d), torch.zeros(0, dtype=torch.long)
+    return torch.cat(embs), torch.cat(prevs), torch.cat(labels)
+
+
+def recall_at(logits: torch.Tensor, labels: torch.Tensor, ks: list[int]) -> dict[int, float]:
+    ranks = (logits > logits.gather(1, labels[:, None])).sum(1)
+    return {k: float((ranks < k).float().mean()) for k in ks}
+
+
+def train_router(shards: list[Path], embed, assignment: torch.Tensor, clusters: int, hidden_size: int,
+                 *, drafter: Drafter | None, out: Path, fingerprint: dict[str, Any], width: int = 1024,
+                 epochs: int = 3, lr: float = 2e-3, batch: int = 1024, holdout: int = 1, seed: int = 0,
+                 provenance: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train and save a router; returns held-out recall figures."""
+    from tqdm import tqdm
+
+    from dynaspec.drafter_training import load_shard
+
+    if len(shards) <= holdout:
+        raise ValueError(f"need more than {holdout} shards (one is held out for recall)")
+    torch.manual_seed(seed)
+    data = [router_examples(load_shard(p), embed, assignment, drafter)
+            for p in tqdm(shards, desc="examples", unit="shard", file=sys.stderr)]
+    train_parts, held = data[:-holdout], data[-holdout:]
+    e = torch.cat([d[0] for d in train_parts]).to(torch.bfloat16)
+    h = torch.cat([d[1] for d in train_parts]).to(torch.bfloat16)
+    y = torch.cat([d[2] for d in train_parts])
+    router = Router(RouterConfig(hidden_size=hidden_size, width=width, clusters=clusters))
+    opt = torch.optim.AdamW(router.parameters(), lr=lr, weight_decay=0.01)
+    steps = epochs * max(1, len(y) // batch)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
+    rng = random.Random(seed)
+    bar = tqdm(total=steps, desc="router", unit="step", file=sys.stderr)
+    for _ in range(epochs):
+        order = list(range(len(y)))
+        rng.shuffle(order)
+        idx_all = torch.tensor(order)
+        for s in range(0, len(y) - batch + 1, batch):
+            idx = idx_all[s:s + batch]
+            logits = router(e[idx].float(), h[idx].float())
+            loss = F.cross_entropy(logits, y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+    bar.close()
+    router.eval()
+    with torch.no_grad():
+        he = torch.cat([d[0] for d in held])
+        hh = torch.cat([d[1] for d in held])
+        hy = torch.cat([d[2] for d in held])
+        ks = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256} & set(range(1, clusters + 1)))
+        recall = recall_at(router(he, hh), hy, ks) if len(hy) else {}
+    meta = {"target": fingerprint, "clusters_sha": cluster_digest(assignment),
+            "training": {**(provenance or {}), "examples": int(len(y)), "epochs": epochs, "lr": lr,
+                         "width": width, "held_out_examples": int(len(hy)),
+                         "held_out_recall": {str(k): round(v, 4) for k, v in recall.items()}}}
+    router.save(out, meta)
+    return meta["training"]

@@ -1,0 +1,66 @@
+"""The train-drafter pipeline on a tiny target: resumable collection shards, training with
+checkpoints, an atomic artifact that records its target and refuses others."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dynaspec import drafter_training as dt
+from dynaspec.drafter import Drafter
+from dynaspec.errors import ArtifactMismatchError
+from dynaspec.targets import load_drafter, tiny_target
+
+TEXTS = ["Hello there, how are you?", "Write a poem about the sea.", "def f(x): return x * 2",
+         "Bonjour, comment allez-vous ?", "Explain gravity simply.", "List three colours."]
+
+
+@pytest.fixture
+def fake_prompts(monkeypatch):
+    def prompt_batches(tokenizer, start, count, max_prompt_tokens):
+        return [(f"id{k}", tokenizer(TEXTS[k])["input_ids"][:max_prompt_tokens])
+                for k in range(start, min(start + count, len(TEXTS)))]
+
+    monkeypatch.setattr(dt, "_prompt_batches", prompt_batches)
+
+
+def test_collect_is_resumable_and_complete(tmp_path, fake_prompts):
+    target = tiny_target("llama")
+    paths = dt.collect(target, tmp_path, prompts=6, shard_size=4, batch=3, new_tokens=10)
+    assert [p.name for p in paths] == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    shard = dt.load_shard(paths[0])
+    offsets = shard["offsets"]
+    assert offsets.numel() == 5 and int(offsets[-1]) == shard["tokens"].numel()
+    assert shard["features"].shape == (shard["tokens"].numel(), target.hidden_size)
+    assert shard["features"].dtype == torch.bfloat16
+    # continuation = the target's own greedy text after the prompt
+    first = shard["tokens"][: int(offsets[1])].tolist()
+    plen = int(shard["prompt_lens"][0])
+    expected = target.model.generate(torch.tensor([first[:plen]]), max_new_tokens=10, do_sample=False)
+    assert first == expected[0].tolist()
+    mtimes = [p.stat().st_mtime_ns for p in paths]
+    paths[1].unlink()  # an interrupted run: the missing shard is made again, the other kept
+    dt.collect(target, tmp_path, prompts=6, shard_size=4, batch=3, new_tokens=10)
+    assert paths[0].stat().st_mtime_ns == mtimes[0] and paths[1].exists()
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_train_resumes_and_writes_artifact(tmp_path, fake_prompts):
+    target = tiny_target("llama")
+    work, out = tmp_path / "work", tmp_path / "drafter"
+    dt.collect(target, work, prompts=6, shard_size=3, batch=3, new_tokens=20)
+    kwargs = dict(window=16, batch_positions=64, unroll=2, frequent=16, checkpoint_every=2)
+    dt.train(target, work, out, epochs=1, **kwargs)
+    first = json.loads((work / "checkpoint.json").read_text())
+    assert first["epoch"] == 1 and first["step"] > 0
+    drafter = dt.train(target, work, out, epochs=2, **kwargs)  # resumes at epoch 1
+    second = json.loads((work / "checkpoint.json").read_text())
+    assert second["epoch"] == 2 and second["step"] == 2 * first["step"]
+    meta = json.loads((out / "drafter.json").read_text())
+    assert meta["target"] == target.fingerprint() and meta["training"]["unroll"] == 2
+    loaded = load_drafter(str(out), target)
+    assert isinstance(loaded, Drafter) and loaded.cfg == drafter.cfg
+    with pytest.raises(ArtifactMismatchError, match="another target"):
+        load_drafter(str(out), tiny_target("gemma3"))

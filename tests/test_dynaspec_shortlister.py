@@ -1,0 +1,101 @@
+"""Spherical k-means clusters, the router, and the `dynaspec` shortlister on a tiny target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import builtin_registry, make_engine, reference_greedy, target, trained_drafter
+from dynaspec import drafter_training as dt
+from dynaspec.errors import ArtifactMismatchError, ConfigError
+from dynaspec.shortlisters import router as router_mod
+from dynaspec.shortlisters.clusters import load_clusters, save_clusters, spherical_kmeans
+from dynaspec.shortlisters.router import ClusterLayout
+from dynaspec.shortlisters.router_training import train_router
+
+
+def test_spherical_kmeans_recovers_planted_directions():
+    gen = torch.Generator().manual_seed(0)
+    centers = torch.nn.functional.normalize(torch.randn(6, 16, generator=gen), dim=1)
+    truth = torch.arange(300) % 6
+    rows = centers[truth] * (1 + torch.rand(300, 1, generator=gen) * 5)  # lengths do not matter
+    rows = rows + 0.05 * torch.randn(300, 16, generator=gen)
+    labels, cents, log = spherical_kmeans(rows, 6, seed=1, progress=False)
+    # same partition up to renaming
+    pairs = {(int(a), int(b)) for a, b in zip(truth, labels)}
+    assert len(pairs) == 6 and log["min_size"] == 50
+    assert torch.allclose(cents.norm(dim=1), torch.ones(6), atol=1e-5)
+    again, _, _ = spherical_kmeans(rows, 6, seed=1, progress=False)
+    assert torch.equal(labels, again)  # fixed seed, deterministic
+
+
+def test_empty_clusters_are_repaired():
+    rows = torch.cat([torch.eye(4)[:1].repeat(10, 1), torch.eye(4)[1:2].repeat(10, 1)])
+    labels, _, log = spherical_kmeans(rows, 5, progress=False)  # 5 clusters, 2 distinct directions
+    assert torch.bincount(labels, minlength=5).min() >= 1 and log["min_size"] >= 1
+    with pytest.raises(ConfigError, match="clusters = 0 is invalid"):
+        spherical_kmeans(rows, 0, progress=False)
+
+
+def test_layout_spans_and_special_tokens():
+    assignment = torch.tensor([2, 0, 1, 0, 2, 1, 1, 0])
+    layout = ClusterLayout(assignment, 3, special=(4,))
+    assert layout.order[0].item() == 4 and sorted(layout.order.tolist()) == list(range(8))
+    sl = layout.shortlist([0, 1])
+    assert sorted(sl.token_ids.tolist()) == [1, 2, 3, 4, 5, 6, 7]
+    # special span [0,1) then clusters 0 and 1, adjacent: one merged span
+    assert sl.spans == ((0, 7),)
+    assert layout.order[0:7].tolist() == sl.token_ids.tolist()
+    sl2 = layout.shortlist([2])
+    assert sl2.spans == ((0, 1), (7, 8)) and sorted(sl2.token_ids.tolist()) == [0, 4]
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    """Clusters + router for the tiny Llama target, from collected tiny shards."""
+    root = tmp_path_factory.mktemp("dynaspec")
+    tgt = target("llama")
+    texts = [f"Tell me about item number {i} and why it matters." for i in range(12)]
+
+    def prompt_batches(tokenizer, start, count, max_prompt_tokens):
+        return [(f"t{k}", tokenizer(texts[k])["input_ids"]) for k in range(start, min(start + count, len(texts)))]
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(dt, "_prompt_batches", prompt_batches)
+    paths = dt.collect(tgt, root / "work", prompts=12, shard_size=4, batch=4, new_tokens=40)
+    mp.undo()
+    assignment, cents, _ = spherical_kmeans(tgt.lm_head_weight, 8, progress=False)
+    save_clusters(root / "clusters", assignment, cents, {"target": tgt.fingerprint()})
+    stats = train_router(paths, tgt.embed, assignment, 8, tgt.hidden_size, drafter=trained_drafter("llama"),
+                         out=root / "router", fingerprint=tgt.fingerprint(), width=64, epochs=30,
+                         lr=5e-3, batch=64)
+    return root, stats
+
+
+def test_router_learns_something(artifacts):
+    _, stats = artifacts
+    recall = {int(k): v for k, v in stats["held_out_recall"].items()}
+    assert recall[1] > 1 / 8 + 0.1  # better than chance over 8 clusters
+    assert recall[8] == 1.0 and all(recall[a] <= recall[b] for a, b in zip(sorted(recall), sorted(recall)[1:]))
+
+
+@pytest.mark.parametrize("scheduler", [{"name": "fixed", "budget": 2}, {"name": "position-aware", "k_max": 4}])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_dynaspec_stack_is_exact(artifacts, scheduler, per_row):
+    root, _ = artifacts
+    engine = make_engine("llama", trained_drafter("llama"), builtin_registry(router_mod),
+                         shortlister={"name": "dynaspec", "clusters": str(root / "clusters"),
+                                      "router": str(root / "router"), "per_row": per_row},
+                         scheduler=scheduler, draft={"mode": "tree", "depth": 4, "topk": 3, "total_tokens": 10})
+    for prompt in ([5, 6, 7, 8], [30, 31, 9]):
+        result = engine.generate(prompt, max_new_tokens=30)
+        assert result.token_ids == reference_greedy("llama", prompt, 30)
+    assert 0 < result.stats.mean_shortlist_size < 128
+
+
+def test_artifacts_for_another_target_are_refused(artifacts):
+    root, _ = artifacts
+    with pytest.raises(ArtifactMismatchError):
+        load_clusters(root / "clusters", target("gemma3").fingerprint())
+    with pytest.raises(ArtifactMismatchError):
+        router_mod.Router.load(root / "router", target("gemma3").fingerprint())
