@@ -8,7 +8,7 @@ import nox
 
 nox.options.sessions = ["tests", "lint"]
 
-BACKENDS = ["torch"]
+BACKENDS = ["torch", "torch-blocked"]
 
 
 @nox.session(venv_backend="none")

@@ -119,7 +119,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     if args.stage in ("collect", "all"):
         dt.collect(target, work, prompts=args.prompts, shard_size=args.shard_size, batch=args.batch,
                    new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                   worker=args.worker, workers=args.workers)
+                   worker=args.worker, workers=args.workers, split=args.split)
     if args.stage in ("train", "all"):
         if not args.out:
             raise ConfigError("--out is required to train")
@@ -167,6 +167,102 @@ def cmd_build_frequency(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_build_clusters(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .shortlisters.clusters import save_clusters, spherical_kmeans
+    from .targets import load_target
+
+    target = load_target(args.target)
+    assignment, centroids, log = spherical_kmeans(target.lm_head_weight, args.clusters,
+                                                  iterations=args.iterations, seed=args.seed)
+    path = save_clusters(Path(args.out), assignment, centroids, {
+        "target": target.fingerprint(), "clusters": args.clusters, "seed": args.seed, "kmeans": log,
+        "command": "dynaspec " + " ".join(sys.argv[1:])})
+    print(f"wrote {path} (cluster sizes {log['min_size']}..{log['max_size']}, "
+          f"{log['iterations']} iterations)", file=sys.stderr)
+    return 0
+
+
+def cmd_train_router(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from .shortlisters.clusters import load_clusters
+    from .shortlisters.router_training import train_router
+    from .targets import load_drafter, load_target, resolve_artifact
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target)
+    fingerprint = target.fingerprint()
+    clusters = load_clusters(resolve_artifact(args.clusters), fingerprint)
+    drafter = load_drafter(args.drafter, target).float() if args.drafter else None
+    shards = sorted(Path(args.work).glob("shard-*.safetensors"))[: args.max_shards]
+    stats = train_router(shards, target.embed, clusters["assignment"].long(), clusters["centroids"].shape[0],
+                         target.hidden_size, drafter=drafter, out=Path(args.out), fingerprint=fingerprint,
+                         width=args.width, epochs=args.epochs, lr=args.lr,
+                         provenance={"command": "dynaspec " + " ".join(sys.argv[1:]), "work": args.work,
+                                     "clusters": args.clusters, "drafter": args.drafter})
+    print(json.dumps(stats["held_out_recall"]), file=sys.stderr)
+    return 0
+
+
+def cmd_eval_shortlist(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from .drafter import atomic_write
+    from .engine import Engine
+    from .shortlist_eval import evaluate_shortlisters, format_report, plot_report
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    configs, target, drafter = {}, None, None
+    for ref in args.stacks:
+        engine = Engine.from_stack(ref, target=target, drafter=drafter)
+        target, drafter = engine.target, engine.drafter
+        configs[engine.stack.name] = (engine.shortlister, engine.scheduler)
+    shards = sorted(Path(args.work).glob("shard-*.safetensors"))
+    if not shards:
+        raise ConfigError(f"no shards in {args.work}: collect dev shards with "
+                          "`dynaspec train-drafter --stage collect --split dev --work DIR`")
+    report = evaluate_shortlisters(shards, target, drafter.float(), configs, depth=args.depth,
+                                   max_positions=args.max_positions)
+    print(format_report(report))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "shortlist_eval.json", lambda p: Path(p).write_text(json.dumps(report, indent=2)))
+    plot_report(report, out / "recall_vs_size.png")
+    print(f"wrote {out / 'shortlist_eval.json'} and {out / 'recall_vs_size.png'}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench_head(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from .bench_head import bench_head, format_table, plot
+    from .drafter import atomic_write
+    from .targets import load_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.target)
+    dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in args.dtypes]
+    report = bench_head(target.lm_head_weight, args.backends, args.sizes, args.rows, dtypes,
+                        repeats=args.repeats)
+    print(format_table(report))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "bench_head.json", lambda p: Path(p).write_text(json.dumps(report, indent=2)))
+    plot(report, out / "bench_head.png")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dynaspec", description="Speculative decoding with a context-aware dynamic draft vocabulary.",
@@ -204,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--batch", type=int, default=32, help="generation batch")
     tr.add_argument("--new-tokens", type=int, default=80, help="greedy tokens generated per prompt")
     tr.add_argument("--max-prompt-tokens", type=int, default=320)
+    tr.add_argument("--split", choices=["train", "dev"], default="train",
+                    help="collect on train (for training) or dev (for held-out evaluation only)")
     tr.add_argument("--worker", type=int, default=0, help="this process's index among --workers")
     tr.add_argument("--workers", type=int, default=1, help="collection processes sharing the shards")
     tr.add_argument("--epochs", type=int, default=2)
@@ -242,6 +340,56 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--export-token-map", type=int, nargs="*", default=[], metavar="SIZE",
                     help="also write freq_SIZE.pt token maps (SGLang --speculative-token-map)")
     bf.set_defaults(func=cmd_build_frequency)
+
+    bc = sub.add_parser("build-clusters", help="spherical k-means of the LM-head rows into M clusters",
+                        description="Cluster the column-normalised LM-head rows (one per token) with "
+                        "spherical k-means (k-means++ seeding, fixed seed, empty-cluster repair).")
+    bc.add_argument("--target", default="gemma3-270m")
+    bc.add_argument("--clusters", type=int, default=1024, metavar="M")
+    bc.add_argument("--iterations", type=int, default=25)
+    bc.add_argument("--seed", type=int, default=0)
+    bc.add_argument("--out", required=True, help="folder (or .safetensors file) to write")
+    bc.set_defaults(func=cmd_build_clusters)
+
+    rt = sub.add_parser("train-router", help="train the DynaSpec router on collected train shards",
+                        description="Train r([E(x_t), H~_{t-1}]) -> cluster scores so that the target's "
+                        "next token falls in the top clusters; the last shard is held out for recall.")
+    rt.add_argument("--target", default="gemma3-270m")
+    rt.add_argument("--work", required=True, help="a `train-drafter --stage collect` folder (train split)")
+    rt.add_argument("--clusters", required=True, help="cluster artifact (name or path)")
+    rt.add_argument("--drafter", help="drafter (name or path) whose predicted features deeper steps see")
+    rt.add_argument("--out", required=True)
+    rt.add_argument("--width", type=int, default=1024)
+    rt.add_argument("--epochs", type=int, default=3)
+    rt.add_argument("--lr", type=float, default=2e-3)
+    rt.add_argument("--max-shards", type=int, default=None)
+    rt.add_argument("--threads", type=int, default=0)
+    rt.set_defaults(func=cmd_train_router)
+
+    es = sub.add_parser("eval-shortlist", help="offline shortlist recall per depth against size (dev)",
+                        description="Recall of the target's next token in each stack's shortlist, per draft "
+                        "depth and slice, on dev shards (collected with --split dev); table, JSON and PNG.")
+    es.add_argument("--stacks", nargs="+", required=True, help="stacks whose shortlister/scheduler to evaluate")
+    es.add_argument("--work", required=True, help="dev shards folder")
+    es.add_argument("--depth", type=int, default=6)
+    es.add_argument("--max-positions", type=int, default=None)
+    es.add_argument("--out", required=True, help="folder for shortlist_eval.json and recall_vs_size.png")
+    es.add_argument("--threads", type=int, default=0)
+    es.set_defaults(func=cmd_eval_shortlist)
+
+    bh = sub.add_parser("bench-head", help="draft-head time against shortlist size, per backend",
+                        description="Time the shortlisted draft-head product for each backend (interleaved, "
+                        "median of repeats) against the memory-bandwidth bound measured in the same run.")
+    bh.add_argument("--target", default="gemma3-270m")
+    bh.add_argument("--backends", nargs="+", default=["torch", "torch-blocked"])
+    bh.add_argument("--sizes", type=int, nargs="+",
+                    default=[1024, 4096, 8192, 16384, 26214, 32768, 65536, 131072, 262144])
+    bh.add_argument("--rows", type=int, nargs="+", default=[1, 10], help="1 token and a tree-sized batch")
+    bh.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
+    bh.add_argument("--repeats", type=int, default=7)
+    bh.add_argument("--out", required=True)
+    bh.add_argument("--threads", type=int, default=0)
+    bh.set_defaults(func=cmd_bench_head)
 
     stacks = sub.add_parser("stacks", help="list stacks, or show one resolved")
     stacks.add_argument("name", nargs="?", help="a stack name or TOML file to show in full")

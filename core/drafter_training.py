@@ -41,11 +41,13 @@ def _shard_path(work: Path, index: int) -> Path:
     return work / f"{SHARD_PREFIX}{index:05d}.safetensors"
 
 
-def _prompt_batches(tokenizer, start: int, count: int, max_prompt_tokens: int) -> list[tuple[str, list[int]]]:
-    from .data import format_prompt, training_prompts
+def _prompt_batches(tokenizer, start: int, count: int, max_prompt_tokens: int,
+                    split: str = "train") -> list[tuple[str, list[int]]]:
+    from .data import dev_protocol_prompts, format_prompt, training_prompts
 
+    source = training_prompts() if split == "train" else dev_protocol_prompts(n=1 << 30)
     items = []
-    for k, item in enumerate(training_prompts()):
+    for k, item in enumerate(source):
         if k < start:
             continue
         if k >= start + count:
@@ -81,7 +83,7 @@ def _generate(target: TargetModel, prompts: list[list[int]], new_tokens: int) ->
 
 def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 32, batch: int = 16,
             new_tokens: int = 96, max_prompt_tokens: int = 384, worker: int = 0,
-            workers: int = 1) -> list[Path]:
+            workers: int = 1, split: str = "train") -> list[Path]:
     """Write shards ``work/shard-NNNNN.safetensors`` covering the first ``prompts`` train prompts.
 
     ``workers`` processes can share the work: worker ``w`` makes the shards ``i`` with
@@ -100,7 +102,7 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
             bar.update(1)
             continue
         items = _prompt_batches(target.tokenizer, index * shard_size,
-                                min(shard_size, prompts - index * shard_size), max_prompt_tokens)
+                                min(shard_size, prompts - index * shard_size), max_prompt_tokens, split)
         seqs, prompt_lens = [], []
         for b in range(0, len(items), batch):
             chunk = [ids for _, ids in items[b:b + batch]]
@@ -114,6 +116,7 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
                    "offsets": offsets.to(torch.int64), "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int32),
                    "features": torch.cat(feats).contiguous()}
         meta = {"ids": json.dumps([i for i, _ in items]), "target": json.dumps(target.fingerprint()),
+                "split": split,
                 "new_tokens": str(new_tokens)}
         atomic_write(path, lambda p, t=tensors, m=meta: save_file(t, str(p), metadata=m))
         bar.update(1)
@@ -188,8 +191,7 @@ def _step_loss(drafter: Drafter, head: torch.Tensor, frequent: torch.Tensor, sha
         inp = inp + (torch.rand_like(inp) - 0.5) * noise * inp.std()
     total, stats = 0.0, {}
     for k in range(unroll):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            pred = drafter(emb, inp, positions).float()
+        pred = drafter(emb, inp, positions).float()
         reg = F.smooth_l1_loss(pred[valid], nxt.float()[valid])
         logp = torch.log_softmax(pred[valid] @ w_c.T, dim=-1)
         ce = -(teacher * logp).sum(-1).mean()

@@ -19,7 +19,7 @@ TEXTS = ["Hello there, how are you?", "Write a poem about the sea.", "def f(x): 
 
 @pytest.fixture
 def fake_prompts(monkeypatch):
-    def prompt_batches(tokenizer, start, count, max_prompt_tokens):
+    def prompt_batches(tokenizer, start, count, max_prompt_tokens, split="train"):
         return [(f"id{k}", tokenizer(TEXTS[k])["input_ids"][:max_prompt_tokens])
                 for k in range(start, min(start + count, len(TEXTS)))]
 

@@ -57,7 +57,7 @@ def artifacts(tmp_path_factory):
     tgt = target("llama")
     texts = [f"Tell me about item number {i} and why it matters." for i in range(12)]
 
-    def prompt_batches(tokenizer, start, count, max_prompt_tokens):
+    def prompt_batches(tokenizer, start, count, max_prompt_tokens, split="train"):
         return [(f"t{k}", tokenizer(texts[k])["input_ids"]) for k in range(start, min(start + count, len(texts)))]
 
     mp = pytest.MonkeyPatch()
@@ -99,3 +99,26 @@ def test_artifacts_for_another_target_are_refused(artifacts):
         load_clusters(root / "clusters", target("gemma3").fingerprint())
     with pytest.raises(ArtifactMismatchError):
         router_mod.Router.load(root / "router", target("gemma3").fingerprint())
+
+
+def test_eval_shortlist_reports_recall(artifacts, tmp_path, monkeypatch):
+    from dynaspec import shortlist_eval
+
+    root, _ = artifacts
+    monkeypatch.setattr("dynaspec.data.load_conversations", lambda: [])
+    tgt, drafter = target("llama"), trained_drafter("llama")
+    registry = builtin_registry(router_mod)
+    full = registry.build("shortlister", "full", {}, None)
+    engine = make_engine("llama", drafter, registry, shortlister={
+        "name": "dynaspec", "clusters": str(root / "clusters"), "router": str(root / "router")},
+        scheduler={"name": "position-aware", "k_max": 4})
+    shards = sorted((root / "work").glob("shard-*.safetensors"))
+    report = shortlist_eval.evaluate_shortlisters(
+        shards, tgt, drafter, {"full": (full, engine.scheduler), "dyn": (engine.shortlister, engine.scheduler)},
+        depth=3)
+    assert report["full"]["overall"]["mean_recall"] == 1.0
+    dyn = report["dyn"]["overall"]["per_depth"]
+    assert 0 < dyn[0]["recall"] <= 1 and dyn[0]["size"] < 128 and dyn[2]["size"] < dyn[0]["size"]
+    shortlist_eval.plot_report(report, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 1000
+    assert "| dyn | overall |" in shortlist_eval.format_report(report)

@@ -1,0 +1,135 @@
+"""``dynaspec eval-shortlist``: offline shortlist quality on held-out (dev) shards.
+
+For every position of the target's own greedy continuation (whose next token is the target's
+greedy choice, so the label is exact) and every draft depth ``t``, the shortlister proposes a
+shortlist from what it would see at depth ``t`` of a chain whose earlier drafts were right:
+``E(x_p)`` and the drafter's ``t``-times self-fed prediction of ``f_{p-1}`` (the target's true
+feature at ``t = 0``). Recall is the fraction of next tokens inside the shortlist; it is reported
+per depth and per slice against the average shortlist size, as a table and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .drafter import Drafter
+from .types import DraftStep
+
+
+@torch.no_grad()
+def unrolled_features(drafter: Drafter, emb: torch.Tensor, feats: torch.Tensor, depth: int) -> list[torch.Tensor]:
+    """``out[t][p]`` is what depth ``t`` reads as ``H~`` at position ``p``: the true ``f_{p-1}`` at
+    t = 0, else the drafter's prediction of it after ``t`` self-fed steps (rows for p >= 1)."""
+    n = emb.shape[0]
+    pos = torch.arange(1, n)[None]
+    levels = [feats[:-1].float()]  # index j -> H~ for position j + 1
+    inp = feats[:-1].float()
+    for _ in range(depth):
+        pred = drafter(emb[1:][None].float(), inp[None], pos)[0].float()  # pred[j] ~ f[j + 1]
+        # the next level reads, at position j + 1, the prediction of f_j: pred[j - 1]
+        inp = torch.cat([feats[:1].float(), pred[:-1]], dim=0)
+        levels.append(inp)
+    return levels
+
+
+def evaluate_shortlisters(shards: Sequence[Path], target, drafter: Drafter, configs: dict[str, tuple[Any, Any]],
+                          *, depth: int = 6, max_positions: int | None = None) -> dict[str, Any]:
+    """``configs``: name -> (shortlister, scheduler). Returns recall and size per depth and slice."""
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    from .data import conversation_slice, load_conversations
+    from .drafter_training import load_shard
+
+    slices = {c["id"]: conversation_slice(c) for c in load_conversations()}
+    acc: dict[str, dict[str, dict[int, list[float]]]] = {}
+    seen = 0
+    for path in tqdm(shards, desc="eval-shortlist", unit="shard", file=sys.stderr):
+        shard = load_shard(path)
+        with safe_open(str(path), framework="pt") as fh:
+            ids = json.loads((fh.metadata() or {}).get("ids", "[]"))
+        offs = shard["offsets"].tolist()
+        for k, plen in enumerate(shard["prompt_lens"].tolist()):
+            seq = shard["tokens"][offs[k]:offs[k + 1]].long()
+            feats = shard["features"][offs[k]:offs[k + 1]]
+            first = max(plen - 1, 1)
+            if seq.numel() < first + 2:
+                continue
+            emb = target.embed(seq).float()
+            levels = unrolled_features(drafter, emb, feats, depth)
+            p = torch.arange(first, seq.numel() - 1)
+            nxt = seq[p + 1]
+            slice_name = slices.get(ids[k], "english") if k < len(ids) else "english"
+            for t in range(depth):
+                step = DraftStep(depth=t, tokens=seq[p], token_embeddings=emb[p], prev_hidden=levels[t][p - 1])
+                for name, (shortlister, scheduler) in configs.items():
+                    lists = shortlister.propose(step, scheduler)
+                    if not isinstance(lists, list):
+                        lists = [lists] * p.numel()
+                    hits, sizes = [], []
+                    for row, sl in enumerate(lists):
+                        if sl.token_ids is None:
+                            hits.append(1.0)
+                            sizes.append(float(target.vocab_size))
+                        else:
+                            hits.append(float(bool((sl.token_ids == nxt[row]).any())))
+                            sizes.append(float(sl.token_ids.numel()))
+                    for sl_name in ("overall", slice_name):
+                        bucket = acc.setdefault(name, {}).setdefault(sl_name, {})
+                        bucket.setdefault(t, [0.0, 0.0, 0.0])
+                        bucket[t][0] += sum(hits)
+                        bucket[t][1] += sum(sizes)
+                        bucket[t][2] += len(hits)
+            seen += p.numel()
+            if max_positions and seen >= max_positions:
+                break
+        if max_positions and seen >= max_positions:
+            break
+    report: dict[str, Any] = {}
+    for name, per_slice in acc.items():
+        report[name] = {}
+        for sl_name, per_depth in per_slice.items():
+            rows = {t: {"recall": v[0] / v[2], "size": v[1] / v[2], "positions": int(v[2])}
+                    for t, v in sorted(per_depth.items())}
+            report[name][sl_name] = {
+                "per_depth": rows,
+                "mean_recall": sum(r["recall"] for r in rows.values()) / len(rows),
+                "mean_size": sum(r["size"] for r in rows.values()) / len(rows),
+            }
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = ["| shortlister | slice | mean size | mean recall | recall per depth |", "|---|---|---|---|---|"]
+    for name, per_slice in report.items():
+        for sl_name, f in per_slice.items():
+            depths = " ".join(f"{r['recall']:.3f}@{r['size']:,.0f}" for r in f["per_depth"].values())
+            lines.append(f"| {name} | {sl_name} | {f['mean_size']:,.0f} | {f['mean_recall']:.4f} | {depths} |")
+    return "\n".join(lines)
+
+
+def plot_report(report: dict[str, Any], path: Path, slice_name: str = "overall") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, per_slice in report.items():
+        f = per_slice.get(slice_name)
+        if f:
+            ax.scatter([f["mean_size"]], [f["mean_recall"]], label=name)
+            ax.annotate(name, (f["mean_size"], f["mean_recall"]), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("average shortlist size (tokens)")
+    ax.set_ylabel("recall of the target's next token")
+    ax.set_title(f"shortlist recall vs size ({slice_name}, dev)")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,52 @@
+"""The ``torch-blocked`` draft-head backend: the LM-head rows are permuted once, at assembly, into
+the shortlister's head layout (clusters, or a frequency ranking, made contiguous), so a shortlist of
+whole clusters is a few contiguous slices multiplied in place — no gather copy of the rows."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dynaspec.errors import ConfigError
+from dynaspec.hookspecs import hookimpl
+from dynaspec.registry import Component
+from dynaspec.types import BuildContext, Shortlist
+
+
+class BlockedBackend:
+    """Slices of a permuted copy of the LM head; falls back to a gather for shortlists without spans."""
+
+    name = "torch-blocked"
+
+    def __init__(self, weight: torch.Tensor, layout: torch.Tensor | None) -> None:
+        self.weight = weight
+        # one permuted copy (same size as the head); without a layout the head is used as is
+        self.blocked = weight if layout is None else weight.index_select(0, layout.to(weight.device)).contiguous()
+        self.has_layout = layout is not None
+        self.calls = 0
+
+    def logits(self, hidden: torch.Tensor, shortlist: Shortlist) -> torch.Tensor:
+        self.calls += 1
+        hidden = hidden.to(self.weight.dtype)
+        if shortlist.token_ids is None:
+            return F.linear(hidden, self.weight).float()
+        if shortlist.spans is None or not self.has_layout:
+            rows = self.weight.index_select(0, shortlist.token_ids.to(self.weight.device))
+            return F.linear(hidden, rows).float()
+        if len(shortlist.spans) == 1:
+            a, b = shortlist.spans[0]
+            return F.linear(hidden, self.blocked[a:b]).float()
+        # logits are R x n floats: concatenating them costs nothing next to reading the rows
+        return torch.cat([F.linear(hidden, self.blocked[a:b]) for a, b in shortlist.spans], dim=1).float()
+
+
+def _blocked(params: dict, ctx: BuildContext) -> BlockedBackend:
+    if params:
+        raise ConfigError(f"backend 'torch-blocked' takes no parameters, got {sorted(params)}")
+    return BlockedBackend(ctx.lm_head_weight, ctx.head_layout)
+
+
+@hookimpl
+def dynaspec_backends():
+    return [Component("torch-blocked", _blocked,
+                      "LM head permuted once into the shortlister's layout; contiguous slices, no gather")]

@@ -1,0 +1,52 @@
+"""Every draft-head backend returns the torch reference's logits and greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynaspec.plugins.blocked_backend import BlockedBackend
+from dynaspec.plugins.torch_backend import TorchBackend
+from dynaspec.shortlisters.router import ClusterLayout
+from dynaspec.types import Shortlist
+
+V, D = 203, 24  # odd sizes on purpose
+
+
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def setup(request):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(V, D, generator=gen).to(request.param)
+    assignment = torch.randint(0, 9, (V,), generator=gen)
+    layout = ClusterLayout(assignment, 9, special=(0, 5))
+    return weight, layout, request.param
+
+
+def _shortlists(layout):
+    yield Shortlist.full()
+    yield layout.shortlist([])  # specials only
+    yield layout.shortlist([3])  # one cluster
+    yield layout.shortlist([0, 1, 2])  # adjacent clusters: one merged span
+    yield layout.shortlist([1, 4, 8])
+    yield Shortlist(torch.tensor([7, 3, 150]))  # ids without spans
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_blocked_matches_torch(setup, rows):
+    weight, layout, dtype = setup
+    ref, blocked = TorchBackend(weight), BlockedBackend(weight, layout.order)
+    hidden = torch.randn(rows, D, generator=torch.Generator().manual_seed(1))
+    for sl in _shortlists(layout):
+        a, b = ref.logits(hidden, sl), blocked.logits(hidden, sl)
+        assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(a, b, atol=tol, rtol=tol)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert blocked.calls == ref.calls == 6
+
+
+def test_blocked_without_layout_gathers(setup):
+    weight, layout, _ = setup
+    hidden = torch.randn(3, D)
+    sl = layout.shortlist([2, 6])
+    assert torch.allclose(BlockedBackend(weight, None).logits(hidden, sl), TorchBackend(weight).logits(hidden, sl))
