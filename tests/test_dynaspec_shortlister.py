@@ -83,7 +83,7 @@ def test_router_learns_something(artifacts):
 @pytest.mark.parametrize("per_row", [False, True])
 def test_dynaspec_stack_is_exact(artifacts, scheduler, per_row):
     root, _ = artifacts
-    engine = make_engine("llama", trained_drafter("llama"), builtin_registry(router_mod),
+    engine = make_engine("llama", trained_drafter("llama"), builtin_registry(),
                          shortlister={"name": "dynaspec", "clusters": str(root / "clusters"),
                                       "router": str(root / "router"), "per_row": per_row},
                          scheduler=scheduler, draft={"mode": "tree", "depth": 4, "topk": 3, "total_tokens": 10})
@@ -107,7 +107,7 @@ def test_eval_shortlist_reports_recall(artifacts, tmp_path, monkeypatch):
     root, _ = artifacts
     monkeypatch.setattr("dynaspec.data.load_conversations", lambda: [])
     tgt, drafter = target("llama"), trained_drafter("llama")
-    registry = builtin_registry(router_mod)
+    registry = builtin_registry()
     full = registry.build("shortlister", "full", {}, None)
     engine = make_engine("llama", drafter, registry, shortlister={
         "name": "dynaspec", "clusters": str(root / "clusters"), "router": str(root / "router")},
