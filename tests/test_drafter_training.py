@@ -53,11 +53,15 @@ def test_train_resumes_and_writes_artifact(tmp_path, fake_prompts):
     dt.collect(target, work, prompts=6, shard_size=3, batch=3, new_tokens=20)
     kwargs = dict(window=16, batch_positions=64, unroll=2, frequent=16, checkpoint_every=2)
     dt.train(target, work, out, epochs=1, **kwargs)
-    first = json.loads((work / "checkpoint.json").read_text())
+    first = json.loads((work / "ckpt-drafter" / "checkpoint.json").read_text())
     assert first["epoch"] == 1 and first["step"] > 0
     drafter = dt.train(target, work, out, epochs=2, **kwargs)  # resumes at epoch 1
-    second = json.loads((work / "checkpoint.json").read_text())
+    second = json.loads((work / "ckpt-drafter" / "checkpoint.json").read_text())
     assert second["epoch"] == 2 and second["step"] == 2 * first["step"]
+    # a step budget: later epochs read the shard list again (here: a shard added meanwhile)
+    dt.collect(target, work, prompts=6, shard_size=2, batch=2, new_tokens=5)  # shards 0-2 exist: no-op
+    stepped = dt.train(target, work, tmp_path / "stepped", steps=5, **kwargs)
+    assert stepped.meta["training"]["steps"] == 5
     meta = json.loads((out / "drafter.json").read_text())
     assert meta["target"] == target.fingerprint() and meta["training"]["unroll"] == 2
     loaded = load_drafter(str(out), target)
