@@ -163,6 +163,23 @@ def _dynaspec(params: dict, ctx: BuildContext) -> DynaSpecShortlister:
     return DynaSpecShortlister(router, layout, per_row=per_row)
 
 
+def _hybrid(params: dict, ctx: BuildContext) -> DynaSpecShortlister:
+    """The routed clusters united with an always-on core of the most frequent tokens."""
+    from .frequency import load_frequency
+
+    params = dict(params)
+    core_path, core = params.pop("frequency", None), params.pop("core", 2048)
+    if not core_path:
+        raise ConfigError("shortlister 'hybrid' needs 'frequency' (a frequency list) besides "
+                          "'clusters' and 'router'")
+    if not isinstance(core, int) or isinstance(core, bool) or core < 0:
+        raise ConfigError(f"shortlister.core = {core!r} is invalid: must be an integer >= 0")
+    ranked, _ = load_frequency(ctx.resolve_artifact(str(core_path)), dict(ctx.target_fingerprint))
+    always = tuple(sorted(set(ctx.special_token_ids) | set(ranked[:core].tolist())))
+    inner = BuildContext(**{**attrs.asdict(ctx, recurse=False), "special_token_ids": always})
+    return _dynaspec(params, inner)
+
+
 def cluster_digest(assignment: torch.Tensor) -> str:
     import hashlib
 
@@ -171,4 +188,5 @@ def cluster_digest(assignment: torch.Tensor) -> str:
 
 @hookimpl
 def dynaspec_shortlisters():
-    return [Component("dynaspec", _dynaspec, "context-routed union of vocabulary clusters (DynaSpec)")]
+    return [Component("dynaspec", _dynaspec, "context-routed union of vocabulary clusters (DynaSpec)"),
+            Component("hybrid", _hybrid, "routed clusters plus an always-on core of frequent tokens")]

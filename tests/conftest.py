@@ -14,7 +14,7 @@ from dynaspec.drafter import Drafter, DrafterConfig
 from dynaspec.engine import Engine
 from dynaspec.plugins import blocked_backend, torch_backend, verifiers
 from dynaspec.registry import Registry
-from dynaspec.schedulers import fixed, position_aware
+from dynaspec.schedulers import confidence, fixed, position_aware
 from dynaspec.shortlisters import frequency, full, router
 from dynaspec.targets import tiny_target
 from dynaspec.training import greedy_sequences, train_drafter
@@ -22,7 +22,7 @@ from dynaspec.training import greedy_sequences, train_drafter
 # tiny models gain nothing from threads, and threads suffer badly on a shared 2-core machine
 torch.set_num_threads(1)
 
-BUILTIN_MODULES = (builtin_stacks, torch_backend, blocked_backend, verifiers, full, fixed, position_aware, frequency,
+BUILTIN_MODULES = (builtin_stacks, torch_backend, blocked_backend, verifiers, full, fixed, position_aware, confidence, frequency,
                    router)
 
 

@@ -122,3 +122,32 @@ def test_eval_shortlist_reports_recall(artifacts, tmp_path, monkeypatch):
     shortlist_eval.plot_report(report, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 1000
     assert "| dyn | overall |" in shortlist_eval.format_report(report)
+
+
+def test_confidence_scheduler(registry):
+    sched = registry.build("scheduler", "confidence", {"k_max": 8, "k_min": 2, "mass": 0.9}, None)
+    peaked = torch.tensor([[0.95, 0.03, 0.01, 0.01]])
+    flat = torch.full((1, 16), 1 / 16)
+    assert sched.budget(depth=0, scores=peaked) == 2  # k_min
+    assert sched.budget(depth=0, scores=flat) == 8  # capped at k_max
+    assert sched.budget(depth=3, scores=flat) == 1  # position-aware cap 8 // 8
+    assert sched.budget(depth=0) == 8
+    with pytest.raises(ConfigError, match="mass = 1.5"):
+        registry.build("scheduler", "confidence", {"mass": 1.5}, None)
+
+
+def test_hybrid_stack_is_exact_and_keeps_its_core(artifacts, tmp_path):
+    from dynaspec.shortlisters.frequency import save_frequency
+
+    root, _ = artifacts
+    tgt = target("llama")
+    counts = torch.arange(tgt.vocab_size, 0, -1)  # token 0 most frequent, then 1, 2, ...
+    save_frequency(tmp_path, counts, {"target": tgt.fingerprint()})
+    engine = make_engine("llama", trained_drafter("llama"), builtin_registry(), shortlister={
+        "name": "hybrid", "clusters": str(root / "clusters"), "router": str(root / "router"),
+        "frequency": str(tmp_path), "core": 10}, scheduler={"name": "confidence", "k_max": 3, "mass": 0.8},
+        draft={"mode": "tree", "depth": 3, "topk": 2, "total_tokens": 6})
+    prompt = [11, 12, 13]
+    assert engine.generate(prompt, max_new_tokens=20).token_ids == reference_greedy("llama", prompt, 20)
+    sl = engine.shortlister.layout.shortlist([])
+    assert set(range(10)) <= set(sl.token_ids.tolist())

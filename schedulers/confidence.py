@@ -1,0 +1,55 @@
+"""The ``confidence`` scheduler (beyond the paper): the cluster budget follows the router's
+certainty instead of depth alone.
+
+At each step it keeps the fewest top-scored clusters whose router probability mass reaches
+``mass`` (taking the largest such count over the rows of the step), clipped to
+``[k_min, k_max]``, and never more than the position-aware budget ``k_max // ((t + 1) * 2)`` allows
+at depths ``t >= 2``. Without router scores (another shortlister) it falls back to that
+position-aware budget.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dynaspec.errors import ConfigError
+from dynaspec.hookspecs import hookimpl
+from dynaspec.registry import Component
+
+
+class ConfidenceBudget:
+    def __init__(self, k_max: int, k_min: int, mass: float) -> None:
+        self.k_max, self.k_min, self.mass = k_max, k_min, mass
+
+    def _cap(self, depth: int) -> int:
+        return self.k_max if depth <= 1 else max(1, self.k_max // ((depth + 1) * 2))
+
+    def budget(self, *, depth: int, scores: torch.Tensor | None = None) -> int:
+        cap = self._cap(depth)
+        if scores is None:
+            return cap
+        probs = scores.float().sort(dim=-1, descending=True).values.cumsum(-1)
+        needed = int((probs < self.mass).sum(-1).max()) + 1
+        return max(min(self.k_min, cap), min(needed, cap))
+
+
+def _confidence(params, ctx):
+    params = dict(params)
+    k_max = params.pop("k_max", 128)
+    k_min = params.pop("k_min", 4)
+    mass = float(params.pop("mass", 0.95))
+    if params:
+        raise ConfigError(f"scheduler 'confidence' has no parameter(s) {sorted(params)}; "
+                          "it takes 'k_max', 'k_min' and 'mass'")
+    for name, value in (("k_max", k_max), ("k_min", k_min)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"scheduler.{name} = {value!r} is invalid: must be an integer >= 1")
+    if not 0 < mass <= 1:
+        raise ConfigError(f"scheduler.mass = {mass!r} is invalid: must satisfy 0 < mass <= 1")
+    return ConfidenceBudget(k_max, k_min, mass)
+
+
+@hookimpl
+def dynaspec_schedulers():
+    return [Component("confidence", _confidence,
+                      "fewest clusters holding `mass` of the router's probability, capped by depth")]

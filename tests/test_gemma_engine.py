@@ -1,0 +1,36 @@
+"""The embedded default end to end (slow: loads the real Gemma 3 270M target)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engines():
+    from dynaspec.engine import Engine
+
+    base = Engine.from_stack("baseline")
+    return base, Engine.from_stack("default", target=base.target)
+
+
+@pytest.mark.parametrize("prompt", ["Write a Python function that reverses a string.",
+                                    "Wie spät ist es in Berlin, wenn es in Tokio Mittag ist?"])
+def test_default_stack_matches_baseline(engines, prompt):
+    from dynaspec.data import format_prompt
+
+    base, spec = engines
+    text = format_prompt(prompt)
+    ref = base.generate(text, max_new_tokens=32)
+    out = spec.generate(text, max_new_tokens=32)
+    assert out.token_ids == ref.token_ids
+    assert out.stats.mean_accepted_length > 1.0
+
+
+def test_shipped_artifacts_refuse_another_target():
+    from dynaspec.errors import ArtifactMismatchError
+    from dynaspec.targets import load_drafter, tiny_target
+
+    with pytest.raises(ArtifactMismatchError):
+        load_drafter("gemma3-270m", tiny_target("llama"))
