@@ -264,6 +264,24 @@ def cmd_bench_head(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .bench import markdown, parse_questions, run, select
+
+    questions = []
+    for path in args.questions or [None]:
+        questions += parse_questions(path)
+    questions = select(questions, args.limit_per_category)
+    results = run(args.stacks, questions, Path(args.out), max_new_tokens=args.max_new_tokens,
+                  temperature=args.temperature, seed=args.seed)
+    print(markdown(results))
+    if not results["exact"]:
+        print("dynaspec: error: a greedy stack's output differs from the baseline's", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dynaspec", description="Speculative decoding with a context-aware dynamic draft vocabulary.",
@@ -394,6 +412,20 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--out", required=True)
     bh.add_argument("--threads", type=int, default=0)
     bh.set_defaults(func=cmd_bench_head)
+
+    be = sub.add_parser("bench", help="compare stacks side by side on Spec-Bench-format questions",
+                        description="Run baseline and stacks interleaved on Spec-Bench (question_id, category, "
+                        "turns) or HumanEval (task_id, prompt) files, or on the built-in set; write answer "
+                        "files, results.json, results.md and plots to --out. Rerunning with the same --out "
+                        "skips finished answers. Exit 1 if a greedy stack differs from the baseline.")
+    be.add_argument("--questions", nargs="+", help="question files (default: the built-in set)")
+    be.add_argument("--stacks", nargs="+", default=["default"])
+    be.add_argument("--max-new-tokens", type=int, default=64)
+    be.add_argument("--limit-per-category", type=int, default=None, metavar="K")
+    be.add_argument("--temperature", type=float, default=0.0)
+    be.add_argument("--seed", type=int, default=0)
+    be.add_argument("--out", required=True)
+    be.set_defaults(func=cmd_bench)
 
     stacks = sub.add_parser("stacks", help="list stacks, or show one resolved")
     stacks.add_argument("name", nargs="?", help="a stack name or TOML file to show in full")
