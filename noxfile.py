@@ -8,7 +8,11 @@ import nox
 
 nox.options.sessions = ["tests", "lint"]
 
-BACKENDS = ["torch", "torch-blocked"]
+BACKENDS = ["torch", "torch-blocked", "triton"]
+#: Triton runs under its CPU interpreter here, which is slow: its session runs the exactness and
+#: backend tests rather than the whole suite.
+TRITON_TESTS = ["tests/test_exactness.py", "tests/test_triton_backend.py", "tests/test_backends.py",
+                "-k", "llama or backend or kernel or triton"]
 
 
 @nox.session(venv_backend="none")
@@ -16,8 +20,9 @@ BACKENDS = ["torch", "torch-blocked"]
 def tests(session: nox.Session, backend: str) -> None:
     """The test suite with the engine's draft head on one backend."""
     session.run("python", "-m", "pip", "install", "--quiet", "-e", ".[test,data]", external=True)
-    session.run("python", "-m", "pytest", "-q", "-m", "not slow", *session.posargs,
-                env={"DYNASPEC_TEST_BACKEND": backend})
+    selection = TRITON_TESTS if backend == "triton" and not session.posargs else session.posargs
+    session.run("python", "-m", "pytest", "-q", "-m", "not slow", *selection,
+                env={"DYNASPEC_TEST_BACKEND": backend, "TRITON_INTERPRET": "1"})
 
 
 @nox.session(venv_backend="none")

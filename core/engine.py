@@ -253,7 +253,8 @@ class Engine:
         """Grow the draft tree below the root (the last committed token)."""
         cfg, target, drafter = self.stack.draft, self.target, self.drafter
         dtype = drafter.fc.weight.dtype
-        emb = target.embed(fresh_tokens).to(dtype)
+        with stats.timed("embed"):
+            emb = target.embed(fresh_tokens).to(dtype)
         feats = fresh_features.to(dtype)
         positions = torch.arange(root_pos - len(fresh_tokens) + 1, root_pos + 1)
         with stats.timed("draft_core"):
@@ -294,7 +295,8 @@ class Engine:
             frontier = sorted(new_nodes, key=lambda n: (-tree.scores[n], n))[: cfg.topk]
             toks = torch.tensor([tree.tokens[n] for n in frontier])
             feats = out[torch.tensor([parent_row[n] for n in frontier])]
-            emb = target.embed(toks).to(dtype)
+            with stats.timed("embed"):
+                emb = target.embed(toks).to(dtype)
             start = dcache.length
             mask = torch.zeros(len(frontier), start + len(frontier), dtype=torch.bool)
             mask[:, :base] = True  # the committed context, root included

@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 
 #: Wall-time buckets of a speculative generation.
-TIME_KEYS = ("prefill", "draft_core", "router", "head_gemm", "verify")
+TIME_KEYS = ("prefill", "embed", "draft_core", "router", "head_gemm", "verify")
 
 
 @attrs.define

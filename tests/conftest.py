@@ -5,14 +5,18 @@ from __future__ import annotations
 import functools
 import os
 
-import pytest
-import torch
+# Triton reads TRITON_INTERPRET when it is imported: on a machine without a GPU its kernels can
+# only run under the interpreter, so set it before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("DYNASPEC_TRITON_ON_GPU") else "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from dynaspec import builtin_stacks
 from dynaspec.config import stack_from_mapping
 from dynaspec.drafter import Drafter, DrafterConfig
 from dynaspec.engine import Engine
-from dynaspec.plugins import blocked_backend, torch_backend, verifiers
+from dynaspec.plugins import blocked_backend, torch_backend, triton_backend, verifiers
 from dynaspec.registry import Registry
 from dynaspec.schedulers import confidence, fixed, position_aware
 from dynaspec.shortlisters import frequency, full, router
@@ -22,7 +26,7 @@ from dynaspec.training import greedy_sequences, train_drafter
 # tiny models gain nothing from threads, and threads suffer badly on a shared 2-core machine
 torch.set_num_threads(1)
 
-BUILTIN_MODULES = (builtin_stacks, torch_backend, blocked_backend, verifiers, full, fixed, position_aware, confidence, frequency,
+BUILTIN_MODULES = (builtin_stacks, torch_backend, blocked_backend, triton_backend, verifiers, full, fixed, position_aware, confidence, frequency,
                    router)
 
 
