@@ -3,6 +3,7 @@
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def gather_gemm(h_ptr, w_ptr, ids_ptr, out_ptr, R, N, D, stride_h, stride_w, stride_o,
                 BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
