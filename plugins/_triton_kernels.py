@@ -5,8 +5,9 @@ import triton.language as tl
 
 
 @triton.jit
-def gather_gemm(h_ptr, w_ptr, ids_ptr, out_ptr, R, N, D, stride_h, stride_w, stride_o,
-                BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _gathered_tile(h_ptr, w_ptr, ids_ptr, R, N, D, stride_h, stride_w,
+                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Logits of this program's tile: rows ``BLOCK_R`` of hidden x ``BLOCK_N`` gathered head rows."""
     pid_n = tl.program_id(0)
     pid_r = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -23,33 +24,29 @@ def gather_gemm(h_ptr, w_ptr, ids_ptr, out_ptr, R, N, D, stride_h, stride_w, str
         h = tl.load(h_ptr + offs_r[:, None] * stride_h + offs_d[None, :],
                     mask=mask_r[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(h[:, None, :] * w[None, :, :], axis=2)
+    return acc, offs_r, offs_n, mask_r, mask_n
+
+
+@triton.jit
+def gather_gemm(h_ptr, w_ptr, ids_ptr, out_ptr, R, N, D, stride_h, stride_w, stride_o,
+                BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    acc, offs_r, offs_n, mask_r, mask_n = _gathered_tile(h_ptr, w_ptr, ids_ptr, R, N, D, stride_h, stride_w,
+                                                         BLOCK_R, BLOCK_N, BLOCK_D)
     tl.store(out_ptr + offs_r[:, None] * stride_o + offs_n[None, :], acc,
              mask=mask_r[:, None] & mask_n[None, :])
+
 
 @triton.jit
 def gather_gemm_max(h_ptr, w_ptr, ids_ptr, max_ptr, arg_ptr, lse_ptr, R, N, D, stride_h, stride_w,
                     n_blocks, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_r = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask_n = offs_n < N
-    mask_r = offs_r < R
-    rows = tl.load(ids_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
-    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        w = tl.load(w_ptr + rows[:, None] * stride_w + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        h = tl.load(h_ptr + offs_r[:, None] * stride_h + offs_d[None, :],
-                    mask=mask_r[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(h[:, None, :] * w[None, :, :], axis=2)
+    """Epilogue variant: per (row, block) the max logit, its column and the block's log-sum-exp."""
+    acc, offs_r, offs_n, mask_r, mask_n = _gathered_tile(h_ptr, w_ptr, ids_ptr, R, N, D, stride_h, stride_w,
+                                                         BLOCK_R, BLOCK_N, BLOCK_D)
     acc = tl.where(mask_n[None, :], acc, float("-inf"))
     block_max = tl.max(acc, axis=1)
-    block_arg = tl.argmax(acc, axis=1) + pid_n * BLOCK_N
+    block_arg = tl.argmax(acc, axis=1) + tl.program_id(0) * BLOCK_N
     block_sum = tl.sum(tl.exp(acc - block_max[:, None]), axis=1)
-    out = offs_r * n_blocks + pid_n
+    out = offs_r * n_blocks + tl.program_id(0)
     tl.store(max_ptr + out, block_max, mask=mask_r)
     tl.store(arg_ptr + out, block_arg, mask=mask_r)
     tl.store(lse_ptr + out, tl.log(block_sum) + block_max, mask=mask_r)

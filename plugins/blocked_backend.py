@@ -12,27 +12,25 @@ from dynaspec.hookspecs import hookimpl
 from dynaspec.registry import Component
 from dynaspec.types import BuildContext, Shortlist
 
+from .torch_backend import TorchBackend
 
-class BlockedBackend:
-    """Slices of a permuted copy of the LM head; falls back to a gather for shortlists without spans."""
+
+class BlockedBackend(TorchBackend):
+    """Slices of a permuted copy of the LM head; the torch gather for shortlists without spans."""
 
     name = "torch-blocked"
 
     def __init__(self, weight: torch.Tensor, layout: torch.Tensor | None) -> None:
-        self.weight = weight
+        super().__init__(weight)
         # one permuted copy (same size as the head); without a layout the head is used as is
         self.blocked = weight if layout is None else weight.index_select(0, layout.to(weight.device)).contiguous()
         self.has_layout = layout is not None
-        self.calls = 0
 
     def logits(self, hidden: torch.Tensor, shortlist: Shortlist) -> torch.Tensor:
+        if shortlist.token_ids is None or shortlist.spans is None or not self.has_layout:
+            return super().logits(hidden, shortlist)
         self.calls += 1
         hidden = hidden.to(self.weight.dtype)
-        if shortlist.token_ids is None:
-            return F.linear(hidden, self.weight).float()
-        if shortlist.spans is None or not self.has_layout:
-            rows = self.weight.index_select(0, shortlist.token_ids.to(self.weight.device))
-            return F.linear(hidden, rows).float()
         if len(shortlist.spans) == 1:
             a, b = shortlist.spans[0]
             return F.linear(hidden, self.blocked[a:b]).float()

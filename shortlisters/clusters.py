@@ -14,14 +14,13 @@ ids sorted by cluster: the head layout), ``offsets`` [M+1] (cluster m is ``order
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dynaspec.drafter import atomic_write, check_fingerprint
+from dynaspec.artifacts import read_artifact, write_artifact
 from dynaspec.errors import ConfigError
 
 FORMAT = "dynaspec-clusters/1"
@@ -97,38 +96,16 @@ def spherical_kmeans(weight: torch.Tensor, m: int, *, iterations: int = 25, seed
 
 def save_clusters(path: str | Path, assignment: torch.Tensor, centroids: torch.Tensor,
                   provenance: dict[str, Any]) -> Path:
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    if path.suffix != ".safetensors":
-        path.mkdir(parents=True, exist_ok=True)
-        path = path / FILE
     m = centroids.shape[0]
     order = torch.argsort(assignment, stable=True)
     offsets = torch.zeros(m + 1, dtype=torch.int64)
     offsets[1:] = torch.bincount(assignment, minlength=m).cumsum(0)
-    tensors = {"assignment": assignment.to(torch.int32).contiguous(), "order": order.to(torch.int32).contiguous(),
-               "offsets": offsets, "centroids": centroids.to(torch.bfloat16).contiguous()}
-    meta = {"format": FORMAT, "provenance": json.dumps(provenance, sort_keys=True)}
-    atomic_write(path, lambda p: save_file(tensors, str(p), metadata=meta))
-    return path
+    return write_artifact(path, FILE, FORMAT, {
+        "assignment": assignment.to(torch.int32), "order": order.to(torch.int32), "offsets": offsets,
+        "centroids": centroids.to(torch.bfloat16)}, provenance)
 
 
 def load_clusters(path: str | Path, fingerprint: dict[str, Any] | None) -> dict[str, Any]:
     """The cluster tensors and provenance; refuses clusters built for another target."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    if path.is_dir():
-        path = path / FILE
-    if not path.is_file():
-        raise ConfigError(f"no clusters at {path}")
-    with safe_open(str(path), framework="pt") as fh:
-        meta = fh.metadata() or {}
-        if meta.get("format") != FORMAT:
-            raise ConfigError(f"{path}: not a dynaspec cluster file")
-        out: dict[str, Any] = {k: fh.get_tensor(k) for k in fh.keys()}
-    out["provenance"] = json.loads(meta["provenance"])
-    if fingerprint is not None:
-        check_fingerprint(out["provenance"].get("target"), fingerprint, what=f"clusters {path}")
-    return out
+    tensors, provenance, _ = read_artifact(path, FILE, FORMAT, what="cluster file", fingerprint=fingerprint)
+    return {**tensors, "provenance": provenance}

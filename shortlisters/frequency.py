@@ -9,13 +9,13 @@ shortlist is the single contiguous span ``[0, budget)``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dynaspec.drafter import atomic_write, check_fingerprint
+from dynaspec.artifacts import read_artifact, write_artifact
+from dynaspec.drafter import atomic_write
 from dynaspec.errors import ConfigError
 from dynaspec.hookspecs import hookimpl
 from dynaspec.registry import Component
@@ -27,37 +27,15 @@ FILE = "frequency.safetensors"
 
 def save_frequency(path: str | Path, counts: torch.Tensor, provenance: dict[str, Any]) -> Path:
     """Write token counts [V] ranked by frequency (ties by id) with their provenance."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    if path.suffix != ".safetensors":
-        path.mkdir(parents=True, exist_ok=True)
-        path = path / FILE
     order = torch.argsort(-counts.to(torch.int64), stable=True)
-    tensors = {"ranked_ids": order.to(torch.int32).contiguous(), "counts": counts[order].to(torch.int64).contiguous()}
-    meta = {"format": FORMAT, "provenance": json.dumps(provenance, sort_keys=True)}
-    atomic_write(path, lambda p: save_file(tensors, str(p), metadata=meta))
-    return path
+    return write_artifact(path, FILE, FORMAT, {"ranked_ids": order.to(torch.int32),
+                                                "counts": counts[order].to(torch.int64)}, provenance)
 
 
 def load_frequency(path: str | Path, fingerprint: dict[str, Any] | None) -> tuple[torch.Tensor, dict[str, Any]]:
     """Ranked token ids (most frequent first) and the provenance of a frequency list."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    if path.is_dir():
-        path = path / FILE
-    if not path.is_file():
-        raise ConfigError(f"no frequency list at {path}")
-    with safe_open(str(path), framework="pt") as fh:
-        meta = fh.metadata() or {}
-        if meta.get("format") != FORMAT:
-            raise ConfigError(f"{path}: not a dynaspec frequency list")
-        ranked = fh.get_tensor("ranked_ids").to(torch.long)
-    provenance = json.loads(meta["provenance"])
-    if fingerprint is not None:
-        check_fingerprint(provenance.get("target"), fingerprint, what=f"frequency list {path}")
-    return ranked, provenance
+    tensors, provenance, _ = read_artifact(path, FILE, FORMAT, what="frequency list", fingerprint=fingerprint)
+    return tensors["ranked_ids"].to(torch.long), provenance
 
 
 class FrequencyShortlister:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dynaspec.drafter import atomic_write, check_fingerprint
+from dynaspec.artifacts import read_artifact, write_artifact
 from dynaspec.errors import ConfigError
 from dynaspec.hookspecs import hookimpl
 from dynaspec.registry import Component
@@ -54,37 +54,15 @@ class Router(nn.Module):
         return self.out(F.silu(self.inp(x)))
 
     def save(self, path: str | Path, meta: dict[str, Any]) -> Path:
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        if path.suffix != ".safetensors":
-            path.mkdir(parents=True, exist_ok=True)
-            path = path / FILE
-        tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.state_dict().items()}
-        metadata = {"format": FORMAT, "config": json.dumps(attrs.asdict(self.cfg)),
-                    "meta": json.dumps(meta, sort_keys=True)}
-        atomic_write(path, lambda p: save_file(tensors, str(p), metadata=metadata))
-        return path
+        tensors = {k: v.detach().to(torch.bfloat16) for k, v in self.state_dict().items()}
+        return write_artifact(path, FILE, FORMAT, tensors, meta,
+                              extra={"config": json.dumps(attrs.asdict(self.cfg))})
 
     @classmethod
     def load(cls, path: str | Path, fingerprint: dict[str, Any] | None) -> tuple["Router", dict[str, Any]]:
-        from safetensors import safe_open
-
-        path = Path(path)
-        if path.is_dir():
-            path = path / FILE
-        if not path.is_file():
-            raise ConfigError(f"no router at {path}")
-        with safe_open(str(path), framework="pt") as fh:
-            metadata = fh.metadata() or {}
-            if metadata.get("format") != FORMAT:
-                raise ConfigError(f"{path}: not a dynaspec router")
-            state = {k: fh.get_tensor(k).float() for k in fh.keys()}
-        meta = json.loads(metadata["meta"])
-        if fingerprint is not None:
-            check_fingerprint(meta.get("target"), fingerprint, what=f"router {path}")
+        tensors, meta, metadata = read_artifact(path, FILE, FORMAT, what="router", fingerprint=fingerprint)
         router = cls(RouterConfig(**json.loads(metadata["config"])))
-        router.load_state_dict(state)
+        router.load_state_dict({k: v.float() for k, v in tensors.items()})
         return router.eval(), meta
 
 
