@@ -145,8 +145,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    report = evaluate(args.stacks, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                      overrides=_overrides(args))
+    if args.merge:
+        from .evaluate import merge
+
+        report = merge([json.loads(Path(f).read_text()) for f in args.merge])
+    else:
+        k, _, n = (args.part or "0/1").partition("/")
+        report = evaluate(args.stacks, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                          overrides=_overrides(args), part=(int(k), int(n or 1)))
     print(format_table(report))
     if args.json_out:
         atomic_write(Path(args.json_out), lambda p: Path(p).write_text(json.dumps(report, indent=2)))
@@ -346,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--set", action="append", metavar="FIELD=VALUE",
                     help="override a field of every evaluated stack (not the baseline)")
     ev.add_argument("--json-out", metavar="FILE", help="write the full report as JSON")
+    ev.add_argument("--part", metavar="K/N", help="run only prompts K, K+N, ... (parallel processes)")
+    ev.add_argument("--merge", nargs="+", metavar="JSON", help="merge the JSON reports of parts and print")
     ev.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     ev.set_defaults(func=cmd_eval)
 

@@ -19,17 +19,20 @@ from .engine import Engine
 
 def evaluate(stacks: Sequence[str], *, prompts: int = 40, max_new_tokens: int = 64,
              max_chars: int = 1500, overrides: dict[str, Any] | None = None,
-             target=None, progress: bool = True) -> dict[str, Any]:
-    """Run ``baseline`` and ``stacks`` on the dev protocol; return per-stack, per-slice figures."""
+             target=None, progress: bool = True, part: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+    """Run ``baseline`` and ``stacks`` on the dev protocol; return per-stack, per-slice figures.
+
+    ``part=(k, n)`` runs only prompts ``k, k+n, k+2n, ...`` (for parallel processes; see
+    :func:`merge`)."""
     from tqdm import tqdm
 
-    items = dev_protocol_prompts(prompts, max_chars)
-    names = ["baseline", *[s for s in stacks if s != "baseline"]]
+    items = dev_protocol_prompts(prompts, max_chars)[part[0]::part[1]]
     engines: dict[str, Engine] = {}
-    for name in names:
-        engines[name] = Engine.from_stack(name, overrides=overrides if name != "baseline" else None,
-                                          target=target)
-        target = engines[name].target
+    for ref in ["baseline", *[s for s in stacks if s != "baseline"]]:
+        engine = Engine.from_stack(ref, overrides=overrides if ref != "baseline" else None, target=target)
+        engines[engine.stack.name] = engine
+        target = engine.target
+    names = list(engines)
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for item in tqdm(items, desc="eval", unit="prompt", file=sys.stderr, disable=not progress):
         prompt = format_prompt(item["text"])
@@ -46,6 +49,15 @@ def evaluate(stacks: Sequence[str], *, prompts: int = 40, max_new_tokens: int = 
     return {"protocol": {"prompts": len(items), "max_new_tokens": max_new_tokens, "max_chars": max_chars,
                          "split": "dev"},
             "stacks": {name: summarize(rows[name], rows["baseline"]) for name in names},
+            "rows": rows}
+
+
+def merge(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One report from the parts of a run split with ``part``."""
+    names = list(reports[0]["rows"])
+    rows = {name: [r for rep in reports for r in rep["rows"][name]] for name in names}
+    protocol = dict(reports[0]["protocol"], prompts=sum(rep["protocol"]["prompts"] for rep in reports))
+    return {"protocol": protocol, "stacks": {n: summarize(rows[n], rows["baseline"]) for n in names},
             "rows": rows}
 
 
