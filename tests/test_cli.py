@@ -57,7 +57,7 @@ def test_generate_text_and_summary(capsys, tiny_stack):
     (["--stack", "no-such-stack"], "unknown stack 'no-such-stack'; available:"),
     (["--set", "draft.depth=0"], "draft.depth = 0 is invalid"),
     (["--temperature", "-1"], "decode.temperature = -1.0 is invalid"),
-    (["--set", "shortlister=nope"], "unknown shortlister 'nope'; available: dynaspec, frequency, full"),
+    (["--set", "shortlister=nope"], "unknown shortlister 'nope'; available: dynaspec, frequency, full, hybrid"),
     (["--set", "verifier=greedy", "--temperature", "0.5"], "greedy verifier"),
 ])
 def test_errors_are_one_line(capsys, tiny_stack, argv, message):

@@ -20,9 +20,9 @@ class Provides:
 
 
 def test_builtins_are_registered(registry):
-    assert registry.names("shortlister") == ["dynaspec", "frequency", "full"]
+    assert registry.names("shortlister") == ["dynaspec", "frequency", "full", "hybrid"]
     assert registry.names("verifier") == ["greedy", "sampling"]
-    assert registry.names("scheduler") == ["fixed", "position-aware"]
+    assert registry.names("scheduler") == ["confidence", "fixed", "position-aware"]
     assert "eagle" in registry.names("stack") and "baseline" in registry.names("stack")
     assert registry.provider("backend", "torch").distribution == "dynaspec"
 
@@ -36,7 +36,7 @@ def test_installed_entry_points_include_builtins():
 
 
 def test_unknown_name_lists_available(registry):
-    with pytest.raises(UnknownComponentError, match=r"unknown shortlister 'nope'; available: dynaspec, frequency, full"):
+    with pytest.raises(UnknownComponentError, match=r"unknown shortlister 'nope'; available: dynaspec, frequency, full, hybrid"):
         registry.get("shortlister", "nope")
 
 
@@ -70,7 +70,7 @@ def test_a_plugin_whose_hook_fails_is_reported_and_others_work(monkeypatch):
     registry = builtin_registry(Broken())
     failed = [p for p in registry.plugins if p.error]
     assert len(failed) == 1 and "boom" in failed[0].error
-    assert registry.names("shortlister") == ["dynaspec", "frequency", "full"]
+    assert registry.names("shortlister") == ["dynaspec", "frequency", "full", "hybrid"]
     monkeypatch.setenv("DYNASPEC_STRICT_PLUGINS", "1")
     with pytest.raises(PluginLoadError, match="boom"):
         builtin_registry(Broken())
