@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from dynaspec.config import require_positive_int
 from dynaspec.errors import ConfigError
 from dynaspec.hookspecs import hookimpl
 from dynaspec.registry import Component
@@ -41,9 +42,8 @@ def _confidence(params, ctx):
     if params:
         raise ConfigError(f"scheduler 'confidence' has no parameter(s) {sorted(params)}; "
                           "it takes 'k_max', 'k_min' and 'mass'")
-    for name, value in (("k_max", k_max), ("k_min", k_min)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"scheduler.{name} = {value!r} is invalid: must be an integer >= 1")
+    require_positive_int("scheduler.k_max", k_max)
+    require_positive_int("scheduler.k_min", k_min)
     if not 0 < mass <= 1:
         raise ConfigError(f"scheduler.mass = {mass!r} is invalid: must satisfy 0 < mass <= 1")
     return ConfidenceBudget(k_max, k_min, mass)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dynaspec.config import require_positive_int
 from dynaspec.errors import ConfigError
 from dynaspec.hookspecs import hookimpl
 from dynaspec.registry import Component
@@ -22,9 +23,7 @@ def _fixed(params, ctx):
     budget = params.pop("budget", 32768)
     if params:
         raise ConfigError(f"scheduler 'fixed' has no parameter(s) {sorted(params)}; it takes 'budget'")
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
-        raise ConfigError(f"scheduler.budget = {budget!r} is invalid: must be an integer >= 1")
-    return FixedBudget(budget)
+    return FixedBudget(require_positive_int("scheduler.budget", budget))
 
 
 @hookimpl

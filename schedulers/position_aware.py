@@ -7,6 +7,7 @@ shortlist.
 
 from __future__ import annotations
 
+from dynaspec.config import require_positive_int
 from dynaspec.errors import ConfigError
 from dynaspec.hookspecs import hookimpl
 from dynaspec.registry import Component
@@ -29,9 +30,7 @@ def _position_aware(params, ctx):
     k_max = params.pop("k_max", params.pop("budget", 32768))
     if params:
         raise ConfigError(f"scheduler 'position-aware' has no parameter(s) {sorted(params)}; it takes 'k_max'")
-    if not isinstance(k_max, int) or isinstance(k_max, bool) or k_max < 1:
-        raise ConfigError(f"scheduler.k_max = {k_max!r} is invalid: must be an integer >= 1")
-    return PositionAware(k_max)
+    return PositionAware(require_positive_int("scheduler.k_max", k_max))
 
 
 @hookimpl

@@ -84,3 +84,21 @@ def reference_greedy(kind: str, prompt: list[int], n: int) -> list[int]:
     """The target's own greedy decoding through Hugging Face ``generate``."""
     out = target(kind).model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
     return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture
+def tiny_spec_stack(tmp_path, monkeypatch):
+    """A speculative stack file on the tiny Llama target (trained drafter saved as an artifact),
+    with the name ``baseline`` resolving to that target's plain decoding for this test."""
+    from dynaspec import stacks as stacks_mod
+
+    trained_drafter("llama").save(tmp_path / "drafter")
+    spec = tmp_path / "spec.toml"
+    spec.write_text(f'name = "spec"\ntarget = "tiny-llama"\ndrafter = "{tmp_path / "drafter"}"\n'
+                    '[draft]\nmode = "tree"\ndepth = 3\ntopk = 2\ntotal_tokens = 6\n')
+    base = tmp_path / "baseline.toml"
+    base.write_text('name = "baseline"\ntarget = "tiny-llama"\ndrafter = "none"\n')
+    real = stacks_mod.resolve_stack
+    monkeypatch.setattr(stacks_mod, "resolve_stack",
+                        lambda ref, **kw: real(str(base) if ref == "baseline" else ref, **kw))
+    return spec

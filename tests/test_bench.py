@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from conftest import trained_drafter
 from dynaspec import bench
 from dynaspec.errors import InputError
 
@@ -49,27 +48,10 @@ def test_bad_files_name_the_line(tmp_path, lines, message):
         bench.parse_questions(tmp_path / "missing.jsonl")
 
 
-@pytest.fixture
-def tiny_stacks(tmp_path):
-    trained_drafter("llama").save(tmp_path / "drafter")
-    spec = tmp_path / "spec.toml"
-    spec.write_text(f'name = "spec"\ntarget = "tiny-llama"\ndrafter = "{tmp_path / "drafter"}"\n'
-                    '[draft]\nmode = "tree"\ndepth = 3\ntopk = 2\ntotal_tokens = 6\n')
-    base = tmp_path / "baseline.toml"
-    base.write_text('name = "baseline"\ntarget = "tiny-llama"\ndrafter = "none"\n')
-    return tmp_path, spec, base
-
-
-def test_run_resume_and_outputs(tiny_stacks, monkeypatch):
-    root, spec, base = tiny_stacks
-    # the baseline of this bench is the tiny target's plain decoding
-    from dynaspec import stacks as stacks_mod
-
-    real = stacks_mod.resolve_stack
-    monkeypatch.setattr(stacks_mod, "resolve_stack",
-                        lambda ref, **kw: real(str(base) if ref == "baseline" else ref, **kw))
+def test_run_resume_and_outputs(tiny_spec_stack, tmp_path):
+    spec = tiny_spec_stack
     qs = [bench.Question("a", "writing", ("Hi there", "And then?")), bench.Question("b", "qa", ("Why?",))]
-    out = root / "out"
+    out = tmp_path / "out"
     results = bench.run([str(spec)], qs, out, max_new_tokens=8, progress=False)
     assert results["exact"] and set(results["stacks"]) == {"baseline", "spec"}
     overall = results["stacks"]["spec"]["overall"]

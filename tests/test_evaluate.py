@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-from conftest import trained_drafter
 from dynaspec import evaluate as ev
 
 
-def test_evaluate_parts_merge(tmp_path, monkeypatch):
-    trained_drafter("llama").save(tmp_path / "drafter")
-    spec = tmp_path / "spec.toml"
-    spec.write_text(f'name = "spec"\ntarget = "tiny-llama"\ndrafter = "{tmp_path / "drafter"}"\n'
-                    '[draft]\nmode = "chain"\ndepth = 3\n')
-    base = tmp_path / "baseline.toml"
-    base.write_text('name = "baseline"\ntarget = "tiny-llama"\ndrafter = "none"\n')
-    from dynaspec import stacks as stacks_mod
-
-    real = stacks_mod.resolve_stack
-    monkeypatch.setattr(stacks_mod, "resolve_stack",
-                        lambda ref, **kw: real(str(base) if ref == "baseline" else ref, **kw))
+def test_evaluate_parts_merge(tiny_spec_stack, monkeypatch):
+    spec = tiny_spec_stack
     items = [{"id": "a", "text": "Hello", "slice": "english"}, {"id": "b", "text": "def f():", "slice": "code"},
              {"id": "c", "text": "Hola amigo", "slice": "non-english"}]
     monkeypatch.setattr(ev, "dev_protocol_prompts", lambda n, max_chars: items[:n])
