@@ -106,13 +106,9 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    import torch
-
     from . import drafter_training as dt
     from .targets import load_target
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     target = load_target(args.target)
     work = Path(args.work)
     started = time.time()
@@ -141,10 +137,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .drafter import atomic_write
     from .evaluate import evaluate, format_table
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     if args.merge:
         from .evaluate import merge
 
@@ -194,14 +186,10 @@ def cmd_build_clusters(args: argparse.Namespace) -> int:
 def cmd_train_router(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    import torch
-
     from .shortlisters.clusters import load_clusters
     from .shortlisters.router_training import train_router
     from .targets import load_drafter, load_target, resolve_artifact
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     target = load_target(args.target)
     fingerprint = target.fingerprint()
     clusters = load_clusters(resolve_artifact(args.clusters), fingerprint)
@@ -219,14 +207,10 @@ def cmd_train_router(args: argparse.Namespace) -> int:
 def cmd_eval_shortlist(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    import torch
-
     from .drafter import atomic_write
     from .engine import Engine
     from .shortlist_eval import evaluate_shortlisters, format_report, plot_report
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     configs, target, drafter = {}, None, None
     for ref in args.stacks:
         engine = Engine.from_stack(ref, target=target, drafter=drafter)
@@ -256,8 +240,6 @@ def cmd_bench_head(args: argparse.Namespace) -> int:
     from .drafter import atomic_write
     from .targets import load_target
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     target = load_target(args.target)
     dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in args.dtypes]
     report = bench_head(target.lm_head_weight, args.backends, args.sizes, args.rows, dtypes,
@@ -286,6 +268,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("dynaspec: error: a greedy stack's output differs from the baseline's", file=sys.stderr)
         return 1
     return 0
+
+
+def _add_threads(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (0 = torch's default); 1 suits a shared machine")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -338,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--batch-positions", type=int, default=2048)
     tr.add_argument("--unroll", type=int, default=2, help="draft steps trained per position")
     tr.add_argument("--max-shards", type=int, default=None, help="train on the first N shards only")
-    tr.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    _add_threads(tr)
     tr.set_defaults(func=cmd_train_drafter)
 
     ev = sub.add_parser(
@@ -354,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json-out", metavar="FILE", help="write the full report as JSON")
     ev.add_argument("--part", metavar="K/N", help="run only prompts K, K+N, ... (parallel processes)")
     ev.add_argument("--merge", nargs="+", metavar="JSON", help="merge the JSON reports of parts and print")
-    ev.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    _add_threads(ev)
     ev.set_defaults(func=cmd_eval)
 
     bf = sub.add_parser(
@@ -393,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--epochs", type=int, default=3)
     rt.add_argument("--lr", type=float, default=2e-3)
     rt.add_argument("--max-shards", type=int, default=None)
-    rt.add_argument("--threads", type=int, default=0)
+    _add_threads(rt)
     rt.set_defaults(func=cmd_train_router)
 
     es = sub.add_parser("eval-shortlist", help="offline shortlist recall per depth against size (dev)",
@@ -404,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--depth", type=int, default=6)
     es.add_argument("--max-positions", type=int, default=None)
     es.add_argument("--out", required=True, help="folder for shortlist_eval.json and recall_vs_size.png")
-    es.add_argument("--threads", type=int, default=0)
+    _add_threads(es)
     es.set_defaults(func=cmd_eval_shortlist)
 
     bh = sub.add_parser("bench-head", help="draft-head time against shortlist size, per backend",
@@ -418,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
     bh.add_argument("--repeats", type=int, default=7)
     bh.add_argument("--out", required=True)
-    bh.add_argument("--threads", type=int, default=0)
+    _add_threads(bh)
     bh.set_defaults(func=cmd_bench_head)
 
     be = sub.add_parser("bench", help="compare stacks side by side on Spec-Bench-format questions",
@@ -449,6 +436,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if getattr(args, "threads", 0):
+            import torch
+
+            torch.set_num_threads(args.threads)
         return func(args)
     except DynaspecError as exc:
         print(f"dynaspec: error: {exc}", file=sys.stderr)
