@@ -1,8 +1,12 @@
 """``dynaspec bench-head``: draft-head time against shortlist size for each GEMM backend.
 
 Backends run interleaved (A B A B ...) on the same shortlists, and the median of the repeats is
-reported. The memory-bandwidth bound is the time to read the shortlisted rows once, at the
-bandwidth measured in the same run by a large tensor copy.
+reported. The memory-bandwidth bound is the time to read the shortlisted rows once at the read
+bandwidth measured in the same run (a sum over a 256 MiB tensor, the fastest streaming read
+torch does here; a copy is measured too and reported for reference).
+
+``draft_step_breakdown`` times whole generations of real stacks and splits their drafting time
+per draft step into embed, draft core (the drafter layer), router and head GEMM.
 """
 
 from __future__ import annotations
@@ -28,6 +32,17 @@ def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
     return 2 * src.numel() * 4 / statistics.median(times)
 
 
+def read_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes per second read by a streaming reduction (what a memory-bound GEMV can reach)."""
+    src = torch.empty(megabytes * (1 << 20) // 4, dtype=torch.float32).uniform_()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        src.sum()
+        times.append(time.perf_counter() - start)
+    return src.numel() * 4 / statistics.median(times)
+
+
 def bench_head(weight: torch.Tensor, backends: dict[str, Any], sizes: Sequence[int], rows: Sequence[int],
                dtypes: Sequence[torch.dtype], *, repeats: int = 7, seed: int = 0) -> dict[str, Any]:
     """Median seconds per head product for every (dtype, rows, size, backend)."""
@@ -36,7 +51,8 @@ def bench_head(weight: torch.Tensor, backends: dict[str, Any], sizes: Sequence[i
     gen = torch.Generator().manual_seed(seed)
     vocab, d = weight.shape
     layout = torch.randperm(vocab, generator=gen)
-    bandwidth = copy_bandwidth()
+    copy_bw = copy_bandwidth()
+    bandwidth = read_bandwidth()
     results = []
     for dtype in dtypes:
         w = weight.detach().to(dtype).contiguous()
@@ -54,15 +70,18 @@ def bench_head(weight: torch.Tensor, backends: dict[str, Any], sizes: Sequence[i
                         start = time.perf_counter()
                         backend.logits(hidden, shortlist)
                         timings[name].append(time.perf_counter() - start)
-                bound = size * d * w.element_size() / (bandwidth / 2)
+                bound = size * d * w.element_size() / bandwidth
                 for name, ts in timings.items():
                     results.append({"dtype": str(dtype).replace("torch.", ""), "rows": r, "size": size,
                                     "backend": name, "seconds": statistics.median(ts), "bound": bound})
-    return {"bandwidth_bytes_per_s": bandwidth, "results": results}
+    return {"bandwidth_bytes_per_s": bandwidth, "copy_bandwidth_bytes_per_s": copy_bw,
+            "threads": torch.get_num_threads(), "results": results}
 
 
 def format_table(report: dict[str, Any]) -> str:
-    lines = [f"copy bandwidth (read+write): {report['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s",
+    lines = [f"read bandwidth (the bound): {report['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; "
+             f"copy bandwidth (read+write): {report.get('copy_bandwidth_bytes_per_s', 0) / 1e9:.1f} GB/s; "
+             f"threads: {report.get('threads', '?')}",
              "| dtype | rows | shortlist | backend | ms (median) | bandwidth bound ms | x bound |",
              "|---|---|---|---|---|---|---|"]
     for r in report["results"]:
@@ -98,3 +117,57 @@ def plot(report: dict[str, Any], path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+STEP_KEYS = ("embed", "draft_core", "router", "head_gemm")
+
+
+def draft_step_breakdown(stack_refs: Sequence[str], prompts: Sequence[str], *, max_new_tokens: int = 48,
+                         overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Milliseconds per draft step in each part, for each stack, prompts interleaved across stacks.
+
+    ``draft_core`` includes the drafter's catch-up pass over the tokens committed by the previous
+    cycle, so it is the whole drafter-layer cost of a cycle spread over its steps.
+    """
+    from .data import format_prompt
+    from .engine import Engine
+
+    engines, target, drafter = [], None, None
+    for ref in stack_refs:
+        engine = Engine.from_stack(ref, target=target, drafter=drafter, overrides=overrides)
+        target, drafter = engine.target, engine.drafter or drafter
+        engines.append(engine)
+    totals = {e.stack.name: {"steps": 0, "times": dict.fromkeys(STEP_KEYS, 0.0), "sizes": [], "mal": []}
+              for e in engines}
+    for prompt in prompts:
+        for engine in engines:  # interleaved, so machine noise hits every stack alike
+            result = engine.generate(format_prompt(prompt), max_new_tokens=max_new_tokens, temperature=0.0)
+            agg = totals[engine.stack.name]
+            agg["steps"] += result.stats.draft_steps
+            for key in STEP_KEYS:
+                agg["times"][key] += result.stats.times[key]
+            agg["sizes"].append(result.stats.mean_shortlist_size)
+            agg["mal"].append(result.stats.mean_accepted_length)
+    report: dict[str, Any] = {}
+    for name, agg in totals.items():
+        steps = max(agg["steps"], 1)
+        per = {key: 1e3 * t / steps for key, t in agg["times"].items()}
+        report[name] = {"draft_steps": agg["steps"], "ms_per_step": per, "total_ms_per_step": sum(per.values()),
+                        "mean_shortlist_size": statistics.mean(agg["sizes"]) if agg["sizes"] else 0.0,
+                        "mean_accepted_length": statistics.mean(agg["mal"]) if agg["mal"] else 0.0}
+    first = report[engines[0].stack.name]["total_ms_per_step"] if engines else 0.0
+    for f in report.values():
+        f["ratio_to_first"] = f["total_ms_per_step"] / first if first else 0.0
+    return report
+
+
+def format_breakdown(report: dict[str, Any]) -> str:
+    lines = ["| stack | draft steps | embed ms | draft core ms | router ms | head GEMM ms | total ms/step | "
+             "x first stack | mean shortlist | MAL |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, f in report.items():
+        ms = f["ms_per_step"]
+        lines.append(f"| {name} | {f['draft_steps']} | {ms['embed']:.2f} | {ms['draft_core']:.2f} | "
+                     f"{ms['router']:.2f} | {ms['head_gemm']:.2f} | {f['total_ms_per_step']:.2f} | "
+                     f"{f['ratio_to_first']:.3f} | {f['mean_shortlist_size']:,.0f} | "
+                     f"{f['mean_accepted_length']:.2f} |")
+    return "\n".join(lines)

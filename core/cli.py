@@ -214,7 +214,7 @@ def cmd_eval_shortlist(args: argparse.Namespace) -> int:
     configs, target, drafter = {}, None, None
     for ref in args.stacks:
         engine = Engine.from_stack(ref, target=target, drafter=drafter)
-        target, drafter = engine.target, engine.drafter
+        target, drafter = engine.target, engine.drafter or drafter
         configs[engine.stack.name] = (engine.shortlister, engine.scheduler)
     shards = sorted(Path(args.work).glob("shard-*.safetensors"))
     if not shards:
@@ -236,7 +236,7 @@ def cmd_bench_head(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .bench_head import bench_head, format_table, plot
+    from .bench_head import bench_head, draft_step_breakdown, format_breakdown, format_table, plot
     from .drafter import atomic_write
     from .targets import load_target
 
@@ -245,10 +245,19 @@ def cmd_bench_head(args: argparse.Namespace) -> int:
     report = bench_head(target.lm_head_weight, args.backends, args.sizes, args.rows, dtypes,
                         repeats=args.repeats)
     print(format_table(report))
+    if args.breakdown:
+        from .bench import parse_questions
+
+        prompts = [q.turns[0] for q in parse_questions(None)][: args.breakdown_prompts]
+        report["draft_step_breakdown"] = draft_step_breakdown(
+            args.breakdown, prompts, max_new_tokens=args.breakdown_tokens, overrides=_overrides(args))
+        print()
+        print(format_breakdown(report["draft_step_breakdown"]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "bench_head.json", lambda p: Path(p).write_text(json.dumps(report, indent=2)))
     plot(report, out / "bench_head.png")
+    print(f"wrote {out / 'bench_head.json'} and {out / 'bench_head.png'}", file=sys.stderr)
     return 0
 
 
@@ -404,6 +413,14 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--rows", type=int, nargs="+", default=[1, 10], help="1 token and a tree-sized batch")
     bh.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
     bh.add_argument("--repeats", type=int, default=7)
+    bh.add_argument("--breakdown", nargs="*", metavar="STACK", default=[],
+                    help="also time whole generations of these stacks (first = reference) and print ms "
+                    "per draft step split into embed, draft core, router and head GEMM")
+    bh.add_argument("--breakdown-prompts", type=int, default=4, metavar="N",
+                    help="built-in bench prompts for --breakdown (default: %(default)s)")
+    bh.add_argument("--breakdown-tokens", type=int, default=48, metavar="N")
+    bh.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                    help="override a field of every --breakdown stack (e.g. backend=torch-blocked)")
     bh.add_argument("--out", required=True)
     _add_threads(bh)
     bh.set_defaults(func=cmd_bench_head)

@@ -91,7 +91,9 @@ class Engine:
         registry = registry or default_registry()
         config = resolve_stack(stack, overrides=overrides, registry=registry)
         target = target or load_target(config.target)
-        if drafter is None and config.drafter is not None:
+        if config.drafter is None:
+            drafter = None  # plain decoding, even when a caller shares one stack's drafter with all
+        elif drafter is None:
             drafter = load_drafter(config.drafter, target)
         return cls(config, target, drafter, registry=registry)
 
@@ -269,6 +271,7 @@ class Engine:
             counts = self._child_counts(tree, len(frontier), depth, verifier)
             if not any(counts):
                 break
+            stats.draft_steps += 1
             with stats.timed("router"):
                 shortlists = self.shortlister.propose(step, self.scheduler)
             groups = ([(shortlists, list(range(len(frontier))))] if isinstance(shortlists, Shortlist)

@@ -66,13 +66,17 @@ def evaluate_shortlisters(shards: Sequence[Path], target, drafter: Drafter, conf
             nxt = seq[p + 1]
             slice_name = slices.get(ids[k], "english") if k < len(ids) else "english"
             for t in range(depth):
-                step = DraftStep(depth=t, tokens=seq[p], token_embeddings=emb[p], prev_hidden=levels[t][p - 1])
                 for name, (shortlister, scheduler) in configs.items():
-                    lists = shortlister.propose(step, scheduler)
-                    if not isinstance(lists, list):
-                        lists = [lists] * p.numel()
                     hits, sizes = [], []
-                    for row, sl in enumerate(lists):
+                    # one row per call, as in a chain: a shortlister given several rows returns
+                    # their union (what a tree frontier needs), which is not one position's shortlist
+                    for row in range(p.numel()):
+                        q = p[row:row + 1]
+                        step = DraftStep(depth=t, tokens=seq[q], token_embeddings=emb[q],
+                                         prev_hidden=levels[t][q - 1])
+                        sl = shortlister.propose(step, scheduler)
+                        if isinstance(sl, list):
+                            sl = sl[0]
                         if sl.token_ids is None:
                             hits.append(1.0)
                             sizes.append(float(target.vocab_size))

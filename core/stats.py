@@ -27,6 +27,8 @@ class GenerationStats:
     shortlist_sizes: dict[int, list[int]] = attrs.field(factory=lambda: defaultdict(list))
     times: dict[str, float] = attrs.field(factory=lambda: dict.fromkeys(TIME_KEYS, 0.0))
     wall_time: float = 0.0
+    #: draft steps taken (one per depth of every cycle, whatever the number of tree rows)
+    draft_steps: int = 0
 
     @contextmanager
     def timed(self, key: str):
@@ -72,5 +74,6 @@ class GenerationStats:
             "shortlist_size_per_depth": {str(k): v for k, v in self.shortlist_size_per_depth.items()},
             "times": dict(self.times),
             "wall_time": self.wall_time,
+            "draft_steps": self.draft_steps,
             "tokens_per_second": self.tokens_per_second,
         }

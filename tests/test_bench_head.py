@@ -1,0 +1,50 @@
+"""`dynaspec bench-head`: the head timing table, the bandwidth bound and the draft-step breakdown."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from dynaspec import bench_head
+from dynaspec.cli import main
+
+
+def test_bench_head_times_every_backend_size_and_dtype():
+    weight = torch.randn(3000, 64)
+    report = bench_head.bench_head(weight, ["torch", "torch-blocked"], [100, 1000, 5000], [1, 4],
+                                   [torch.float32, torch.bfloat16], repeats=2)
+    rows = report["results"]
+    assert len(rows) == 2 * 2 * 3 * 2
+    assert {r["backend"] for r in rows} == {"torch", "torch-blocked"}
+    assert {r["size"] for r in rows} == {100, 1000, 3000}  # clipped to the vocabulary
+    assert report["bandwidth_bytes_per_s"] > 1e8 and report["copy_bandwidth_bytes_per_s"] > 1e8
+    for r in rows:
+        assert r["seconds"] > 0
+        element = 4 if r["dtype"] == "float32" else 2
+        assert abs(r["bound"] - r["size"] * 64 * element / report["bandwidth_bytes_per_s"]) < 1e-12
+    table = bench_head.format_table(report)
+    assert "| bfloat16 | 4 | 1,000 | torch-blocked |" in table
+
+
+def test_draft_step_breakdown_splits_time_per_step(tiny_spec_stack):
+    report = bench_head.draft_step_breakdown([str(tiny_spec_stack), "baseline"], ["hello there", "abc"],
+                                             max_new_tokens=12)
+    spec = report["spec"]
+    assert spec["draft_steps"] > 0
+    assert set(spec["ms_per_step"]) == set(bench_head.STEP_KEYS)
+    assert abs(spec["total_ms_per_step"] - sum(spec["ms_per_step"].values())) < 1e-9
+    assert spec["ratio_to_first"] == 1.0 and spec["mean_accepted_length"] >= 1.0
+    assert report["baseline"]["draft_steps"] == 0  # plain decoding drafts nothing
+    assert "| spec |" in bench_head.format_breakdown(report)
+
+
+def test_bench_head_cli_writes_json_and_plot(tmp_path, tiny_spec_stack):
+    code = main(["bench-head", "--target", "tiny-llama", "--sizes", "16", "64", "--rows", "1",
+                 "--dtypes", "fp32", "--repeats", "1", "--breakdown", str(tiny_spec_stack),
+                 "--breakdown-prompts", "1", "--breakdown-tokens", "8", "--out", str(tmp_path / "out")])
+    assert code == 0
+    report = json.loads((tmp_path / "out" / "bench_head.json").read_text())
+    assert len(report["results"]) == 2 * 2  # two default backends, two sizes
+    assert report["draft_step_breakdown"]["spec"]["draft_steps"] > 0
+    assert (tmp_path / "out" / "bench_head.png").stat().st_size > 1000
