@@ -96,9 +96,11 @@ def cmd_stacks(args: argparse.Namespace) -> int:
     if args.name:
         print(json.dumps(resolve_stack(args.name, registry=registry).to_dict(), indent=2))
         return 0
-    for name in registry.names("stack"):
+    names = registry.names("stack")
+    width = max(map(len, names), default=0) + 2
+    for name in names:
         stack = resolve_stack(name, registry=registry)
-        print(f"{name:<16} {stack.description}")
+        print(f"{name:<{width}}{stack.description}")
     return 0
 
 
@@ -144,7 +146,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         k, _, n = (args.part or "0/1").partition("/")
         report = evaluate(args.stacks, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                          overrides=_overrides(args), part=(int(k), int(n or 1)))
+                          overrides=_overrides(args), part=(int(k), int(n or 1)), split=args.split,
+                          train_offset=args.train_offset)
     print(format_table(report))
     if args.json_out:
         atomic_write(Path(args.json_out), lambda p: Path(p).write_text(json.dumps(report, indent=2)))
@@ -301,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling")
     gen.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a stack field")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text and statistics")
+    _add_threads(gen)
     gen.set_defaults(func=cmd_generate)
 
     plug = sub.add_parser("plugins", help="list plugins, their distributions and components")
@@ -347,6 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-new-tokens", type=int, default=64)
     ev.add_argument("--set", action="append", metavar="FIELD=VALUE",
                     help="override a field of every evaluated stack (not the baseline)")
+    ev.add_argument("--split", choices=["dev", "train"], default="dev",
+                    help="dev (report figures) or train (tune settings: never tune on dev)")
+    ev.add_argument("--train-offset", type=int, default=10000, metavar="N",
+                    help="with --split train, start at train prompt N (default %(default)s: beyond "
+                    "what train-drafter collects by default, so the drafter never saw them)")
     ev.add_argument("--json-out", metavar="FILE", help="write the full report as JSON")
     ev.add_argument("--part", metavar="K/N", help="run only prompts K, K+N, ... (parallel processes)")
     ev.add_argument("--merge", nargs="+", metavar="JSON", help="merge the JSON reports of parts and print")
@@ -365,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--out", required=True, help="folder (or .safetensors file) to write")
     bf.add_argument("--export-token-map", type=int, nargs="*", default=[], metavar="SIZE",
                     help="also write freq_SIZE.pt token maps (SGLang --speculative-token-map)")
+    _add_threads(bf)
     bf.set_defaults(func=cmd_build_frequency)
 
     bc = sub.add_parser("build-clusters", help="spherical k-means of the LM-head rows into M clusters",
@@ -375,6 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--iterations", type=int, default=25)
     bc.add_argument("--seed", type=int, default=0)
     bc.add_argument("--out", required=True, help="folder (or .safetensors file) to write")
+    _add_threads(bc)
     bc.set_defaults(func=cmd_build_clusters)
 
     rt = sub.add_parser("train-router", help="train the DynaSpec router on collected train shards",
@@ -437,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--temperature", type=float, default=0.0)
     be.add_argument("--seed", type=int, default=0)
     be.add_argument("--out", required=True)
+    _add_threads(be)
     be.set_defaults(func=cmd_bench)
 
     stacks = sub.add_parser("stacks", help="list stacks, or show one resolved")

@@ -19,14 +19,26 @@ from .engine import Engine
 
 def evaluate(stacks: Sequence[str], *, prompts: int = 40, max_new_tokens: int = 64,
              max_chars: int = 1500, overrides: dict[str, Any] | None = None,
-             target=None, progress: bool = True, part: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+             target=None, progress: bool = True, part: tuple[int, int] = (0, 1), split: str = "dev",
+             train_offset: int = 10000) -> dict[str, Any]:
     """Run ``baseline`` and ``stacks`` on the dev protocol; return per-stack, per-slice figures.
 
     ``part=(k, n)`` runs only prompts ``k, k+n, k+2n, ...`` (for parallel processes; see
-    :func:`merge`)."""
+    :func:`merge`). ``split="train"`` takes the same protocol on train prompts ``train_offset``
+    onwards instead: the place to tune settings, which must never be tuned on dev."""
+    import itertools
+
     from tqdm import tqdm
 
-    items = dev_protocol_prompts(prompts, max_chars)[part[0]::part[1]]
+    from .data import training_prompts
+
+    if split == "dev":
+        pool = dev_protocol_prompts(prompts, max_chars)
+    elif split == "train":
+        pool = list(itertools.islice(training_prompts(max_chars), train_offset, train_offset + prompts))
+    else:
+        raise ValueError(f"split must be 'dev' or 'train', got {split!r}")
+    items = pool[part[0]::part[1]]
     engines: dict[str, Engine] = {}
     for ref in ["baseline", *[s for s in stacks if s != "baseline"]]:
         engine = Engine.from_stack(ref, overrides=overrides if ref != "baseline" else None, target=target)
@@ -47,7 +59,7 @@ def evaluate(stacks: Sequence[str], *, prompts: int = 40, max_new_tokens: int = 
                                "shortlist": s.mean_shortlist_size, "wall": s.wall_time,
                                "tps": s.tokens_per_second, "times": dict(s.times)})
     return {"protocol": {"prompts": len(items), "max_new_tokens": max_new_tokens, "max_chars": max_chars,
-                         "split": "dev"},
+                         "split": split, **({"train_offset": train_offset} if split == "train" else {})},
             "stacks": {name: summarize(rows[name], rows["baseline"]) for name in names},
             "rows": rows}
 

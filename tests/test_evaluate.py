@@ -21,3 +21,16 @@ def test_evaluate_parts_merge(tiny_spec_stack, monkeypatch):
     assert merged["stacks"]["spec"]["overall"]["mean_accepted_length"] == whole["stacks"]["spec"]["overall"][
         "mean_accepted_length"]  # greedy acceptance is deterministic
     assert "| spec | overall | 3 | yes |" in ev.format_table(whole)
+
+
+def test_evaluate_train_split_takes_train_prompts_from_the_offset(tiny_spec_stack, monkeypatch):
+    from dynaspec import data
+
+    train = [{"id": f"t{k}", "text": f"prompt {k}", "slice": "english"} for k in range(10)]
+    monkeypatch.setattr(data, "training_prompts", lambda max_chars: iter(train))
+    monkeypatch.setattr(ev, "dev_protocol_prompts", lambda n, max_chars: (_ for _ in ()).throw(
+        AssertionError("tuning must not read dev prompts")))
+    report = ev.evaluate([str(tiny_spec_stack)], prompts=2, max_new_tokens=6, progress=False, split="train",
+                         train_offset=7)
+    assert [r["id"] for r in report["rows"]["spec"]] == ["t7", "t8"]
+    assert report["protocol"]["split"] == "train" and report["protocol"]["train_offset"] == 7
