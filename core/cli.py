@@ -117,7 +117,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     if args.stage in ("collect", "all"):
         dt.collect(target, work, prompts=args.prompts, shard_size=args.shard_size, batch=args.batch,
                    new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                   worker=args.worker, workers=args.workers, split=args.split)
+                   worker=args.worker, workers=args.workers, split=args.split, slice_name=args.slice)
     if args.stage in ("train", "all"):
         if not args.out:
             raise ConfigError("--out is required to train")
@@ -147,7 +147,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         k, _, n = (args.part or "0/1").partition("/")
         report = evaluate(args.stacks, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                           overrides=_overrides(args), part=(int(k), int(n or 1)), split=args.split,
-                          train_offset=args.train_offset)
+                          train_offset=args.train_offset, slice_name=args.slice)
     print(format_table(report))
     if args.json_out:
         atomic_write(Path(args.json_out), lambda p: Path(p).write_text(json.dumps(report, indent=2)))
@@ -327,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--max-prompt-tokens", type=int, default=320)
     tr.add_argument("--split", choices=["train", "dev"], default="train",
                     help="collect on train (for training) or dev (for held-out evaluation only)")
+    tr.add_argument("--slice", choices=["english", "code", "non-english"], default=None,
+                    help="collect only prompts of this slice (e.g. a held-out non-English set)")
     tr.add_argument("--worker", type=int, default=0, help="this process's index among --workers")
     tr.add_argument("--workers", type=int, default=1, help="collection processes sharing the shards")
     tr.add_argument("--epochs", type=int, default=2)
@@ -353,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="override a field of every evaluated stack (not the baseline)")
     ev.add_argument("--split", choices=["dev", "train"], default="dev",
                     help="dev (report figures) or train (tune settings: never tune on dev)")
+    ev.add_argument("--slice", choices=["english", "code", "non-english"], default=None,
+                    help="only prompts of this slice (the first --prompts of it)")
     ev.add_argument("--train-offset", type=int, default=10000, metavar="N",
                     help="with --split train, start at train prompt N (default %(default)s: beyond "
                     "what train-drafter collects by default, so the drafter never saw them)")

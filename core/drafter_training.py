@@ -42,10 +42,12 @@ def _shard_path(work: Path, index: int) -> Path:
 
 
 def _prompt_batches(tokenizer, start: int, count: int, max_prompt_tokens: int,
-                    split: str = "train") -> list[tuple[str, list[int]]]:
+                    split: str = "train", slice_name: str | None = None) -> list[tuple[str, list[int]]]:
     from .data import dev_protocol_prompts, format_prompt, training_prompts
 
     source = training_prompts() if split == "train" else dev_protocol_prompts(n=1 << 30)
+    if slice_name is not None:
+        source = (item for item in source if item["slice"] == slice_name)
     items = []
     for k, item in enumerate(source):
         if k < start:
@@ -83,8 +85,9 @@ def _generate(target: TargetModel, prompts: list[list[int]], new_tokens: int) ->
 
 def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 32, batch: int = 16,
             new_tokens: int = 96, max_prompt_tokens: int = 384, worker: int = 0,
-            workers: int = 1, split: str = "train") -> list[Path]:
-    """Write shards ``work/shard-NNNNN.safetensors`` covering the first ``prompts`` train prompts.
+            workers: int = 1, split: str = "train", slice_name: str | None = None) -> list[Path]:
+    """Write shards ``work/shard-NNNNN.safetensors`` covering the first ``prompts`` prompts of
+    ``split`` (only those of one slice of it with ``slice_name``).
 
     ``workers`` processes can share the work: worker ``w`` makes the shards ``i`` with
     ``i % workers == w``."""
@@ -102,7 +105,11 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
             bar.update(1)
             continue
         items = _prompt_batches(target.tokenizer, index * shard_size,
-                                min(shard_size, prompts - index * shard_size), max_prompt_tokens, split)
+                                min(shard_size, prompts - index * shard_size), max_prompt_tokens, split,
+                                slice_name)
+        if not items:
+            paths.pop()
+            break  # the split (or slice) has fewer prompts than asked for
         seqs, prompt_lens = [], []
         for b in range(0, len(items), batch):
             chunk = [ids for _, ids in items[b:b + batch]]
@@ -116,7 +123,7 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
                    "offsets": offsets.to(torch.int64), "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int32),
                    "features": torch.cat(feats).contiguous()}
         meta = {"ids": json.dumps([i for i, _ in items]), "target": json.dumps(target.fingerprint()),
-                "split": split,
+                "split": split, "slice": slice_name or "all",
                 "new_tokens": str(new_tokens)}
         atomic_write(path, lambda p, t=tensors, m=meta: save_file(t, str(p), metadata=m))
         bar.update(1)

@@ -20,7 +20,7 @@ from .engine import Engine
 def evaluate(stacks: Sequence[str], *, prompts: int = 40, max_new_tokens: int = 64,
              max_chars: int = 1500, overrides: dict[str, Any] | None = None,
              target=None, progress: bool = True, part: tuple[int, int] = (0, 1), split: str = "dev",
-             train_offset: int = 10000) -> dict[str, Any]:
+             train_offset: int = 10000, slice_name: str | None = None) -> dict[str, Any]:
     """Run ``baseline`` and ``stacks`` on the dev protocol; return per-stack, per-slice figures.
 
     ``part=(k, n)`` runs only prompts ``k, k+n, k+2n, ...`` (for parallel processes; see
@@ -33,11 +33,14 @@ def evaluate(stacks: Sequence[str], *, prompts: int = 40, max_new_tokens: int = 
     from .data import training_prompts
 
     if split == "dev":
-        pool = dev_protocol_prompts(prompts, max_chars)
+        source = iter(dev_protocol_prompts(1 << 30 if slice_name else prompts, max_chars))
     elif split == "train":
-        pool = list(itertools.islice(training_prompts(max_chars), train_offset, train_offset + prompts))
+        source = itertools.islice(training_prompts(max_chars), train_offset, None)
     else:
         raise ValueError(f"split must be 'dev' or 'train', got {split!r}")
+    if slice_name is not None:
+        source = (item for item in source if item["slice"] == slice_name)
+    pool = list(itertools.islice(source, prompts))
     items = pool[part[0]::part[1]]
     engines: dict[str, Engine] = {}
     for ref in ["baseline", *[s for s in stacks if s != "baseline"]]:
@@ -59,7 +62,8 @@ def evaluate(stacks: Sequence[str], *, prompts: int = 40, max_new_tokens: int = 
                                "shortlist": s.mean_shortlist_size, "wall": s.wall_time,
                                "tps": s.tokens_per_second, "times": dict(s.times)})
     return {"protocol": {"prompts": len(items), "max_new_tokens": max_new_tokens, "max_chars": max_chars,
-                         "split": split, **({"train_offset": train_offset} if split == "train" else {})},
+                         "split": split, **({"train_offset": train_offset} if split == "train" else {}),
+                         **({"slice": slice_name} if slice_name else {})},
             "stacks": {name: summarize(rows[name], rows["baseline"]) for name in names},
             "rows": rows}
 

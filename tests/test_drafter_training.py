@@ -19,7 +19,7 @@ TEXTS = ["Hello there, how are you?", "Write a poem about the sea.", "def f(x): 
 
 @pytest.fixture
 def fake_prompts(monkeypatch):
-    def prompt_batches(tokenizer, start, count, max_prompt_tokens, split="train"):
+    def prompt_batches(tokenizer, start, count, max_prompt_tokens, split="train", slice_name=None):
         return [(f"id{k}", tokenizer(TEXTS[k])["input_ids"][:max_prompt_tokens])
                 for k in range(start, min(start + count, len(TEXTS)))]
 
@@ -68,3 +68,14 @@ def test_train_resumes_and_writes_artifact(tmp_path, fake_prompts):
     assert isinstance(loaded, Drafter) and loaded.cfg == drafter.cfg
     with pytest.raises(ArtifactMismatchError, match="another target"):
         load_drafter(str(out), tiny_target("gemma3"))
+
+
+def test_prompt_batches_filter_one_slice(monkeypatch):
+    from dynaspec import data
+
+    items = [{"id": f"p{k}", "text": f"text {k}", "slice": "code" if k % 3 == 0 else "english"} for k in range(12)]
+    monkeypatch.setattr(data, "training_prompts", lambda: iter(items))
+    tok = tiny_target("llama").tokenizer
+    got = dt._prompt_batches(tok, 1, 2, 50, "train", "code")
+    assert [i for i, _ in got] == ["p3", "p6"]  # the 2nd and 3rd code prompts
+    assert [i for i, _ in dt._prompt_batches(tok, 0, 3, 50, "train")] == ["p0", "p1", "p2"]

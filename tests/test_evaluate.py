@@ -34,3 +34,12 @@ def test_evaluate_train_split_takes_train_prompts_from_the_offset(tiny_spec_stac
                          train_offset=7)
     assert [r["id"] for r in report["rows"]["spec"]] == ["t7", "t8"]
     assert report["protocol"]["split"] == "train" and report["protocol"]["train_offset"] == 7
+
+
+def test_evaluate_one_slice(tiny_spec_stack, monkeypatch):
+    items = [{"id": "a", "text": "Hello", "slice": "english"}, {"id": "b", "text": "def f():", "slice": "code"},
+             {"id": "c", "text": "Hola amigo", "slice": "non-english"}, {"id": "d", "text": "x = 1", "slice": "code"}]
+    monkeypatch.setattr(ev, "dev_protocol_prompts", lambda n, max_chars: items[:n])
+    report = ev.evaluate([str(tiny_spec_stack)], prompts=5, max_new_tokens=4, progress=False, slice_name="code")
+    assert [r["id"] for r in report["rows"]["spec"]] == ["b", "d"]
+    assert set(report["stacks"]["spec"]) == {"overall", "code"} and report["protocol"]["slice"] == "code"
