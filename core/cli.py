@@ -117,7 +117,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     if args.stage in ("collect", "all"):
         dt.collect(target, work, prompts=args.prompts, shard_size=args.shard_size, batch=args.batch,
                    new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                   worker=args.worker, workers=args.workers, split=args.split, slice_name=args.slice)
+                   worker=args.worker, workers=args.workers, split=args.split, slice_name=args.slice,
+                   source=args.source)
     if args.stage in ("train", "all"):
         if not args.out:
             raise ConfigError("--out is required to train")
@@ -186,6 +187,28 @@ def cmd_build_clusters(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_shards(folders: list[str], max_shards: int | None) -> list:
+    """Train-split shards of ``folders`` (first ``max_shards`` of each), ordered so that the last
+    shard of the first folder comes last: the one held out for recall."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    per_folder = []
+    for folder in folders:
+        found = sorted(Path(folder).glob("shard-*.safetensors"))[:max_shards]
+        if not found:
+            raise ConfigError(f"no shards in {folder}: collect them with `dynaspec train-drafter --stage collect`")
+        for path in found:
+            with safe_open(str(path), framework="pt") as fh:
+                split = (fh.metadata() or {}).get("split", "train")
+            if split != "train":
+                raise ConfigError(f"{path} holds {split} prompts: train only on train shards")
+        per_folder.append(found)
+    first = per_folder[0]
+    return [*first[:-1], *[p for rest in per_folder[1:] for p in rest], first[-1]]
+
+
 def cmd_train_router(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -197,7 +220,7 @@ def cmd_train_router(args: argparse.Namespace) -> int:
     fingerprint = target.fingerprint()
     clusters = load_clusters(resolve_artifact(args.clusters), fingerprint)
     drafter = load_drafter(args.drafter, target).float() if args.drafter else None
-    shards = sorted(Path(args.work).glob("shard-*.safetensors"))[: args.max_shards]
+    shards = _train_shards(args.work, args.max_shards)
     stats = train_router(shards, target.embed, clusters["assignment"].long(), clusters["centroids"].shape[0],
                          target.hidden_size, drafter=drafter, out=Path(args.out), fingerprint=fingerprint,
                          width=args.width, epochs=args.epochs, lr=args.lr,
@@ -327,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--max-prompt-tokens", type=int, default=320)
     tr.add_argument("--split", choices=["train", "dev"], default="train",
                     help="collect on train (for training) or dev (for held-out evaluation only)")
+    tr.add_argument("--source", choices=["generated", "raw"], default="generated",
+                    help="generated: prompt + the target's greedy continuation; raw: prompt + the "
+                    "conversation's own answer in one prefill pass (about 20x cheaper per position), "
+                    "with the target's greedy next token stored as the teacher")
     tr.add_argument("--slice", choices=["english", "code", "non-english"], default=None,
                     help="collect only prompts of this slice (e.g. a held-out non-English set)")
     tr.add_argument("--worker", type=int, default=0, help="this process's index among --workers")
@@ -396,7 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Train r([E(x_t), H~_{t-1}]) -> cluster scores so that the target's "
                         "next token falls in the top clusters; the last shard is held out for recall.")
     rt.add_argument("--target", default="gemma3-270m")
-    rt.add_argument("--work", required=True, help="a `train-drafter --stage collect` folder (train split)")
+    rt.add_argument("--work", required=True, nargs="+",
+                    help="`train-drafter --stage collect` folders (train split); the last shard of the "
+                    "first folder is held out to report recall")
     rt.add_argument("--clusters", required=True, help="cluster artifact (name or path)")
     rt.add_argument("--drafter", help="drafter (name or path) whose predicted features deeper steps see")
     rt.add_argument("--out", required=True)

@@ -1,9 +1,9 @@
 """``dynaspec train-router``: train the DynaSpec router on collected ShareGPT-train shards.
 
-Examples come from the target's own greedy continuations in the shards written by
-``dynaspec train-drafter --stage collect``: at position ``p`` the router reads ``(E(x_p), h_{p-1})``
-and must put the target's next token ``x_{p+1}`` (its greedy choice, hence exact) into the top
-clusters. ``h_{p-1}`` is the target's feature (what draft depth 0 sees) or, for a second copy of
+Examples come from the shards written by ``dynaspec train-drafter --stage collect``: at position
+``p`` the router reads ``(E(x_p), h_{p-1})`` and must put the target's greedy next token into the
+top clusters — ``x_{p+1}`` of the target's own continuations, or the stored ``teacher`` token
+everywhere in raw-text shards (``--source raw``). ``h_{p-1}`` is the target's feature (what draft depth 0 sees) or, for a second copy of
 each example, the drafter's own prediction of it (what deeper draft steps see). The loss is the
 cross-entropy on the cluster of the next token; recall at several budgets is reported on held-out
 shards. Checkpoints and the final router are written atomically as safetensors.
@@ -29,15 +29,18 @@ def router_examples(shard: dict[str, torch.Tensor], embed, assignment: torch.Ten
                     drafter: Drafter | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(E(x_p) [N, d], h_{p-1} [N, d], cluster label [N]) over the continuation positions."""
     tokens, feats = shard["tokens"].long(), shard["features"]
+    teacher = shard.get("teacher")  # raw-text shards: the target's greedy next token everywhere
     offs = shard["offsets"].tolist()
     embs, prevs, labels = [], [], []
     for k, plen in enumerate(shard["prompt_lens"].tolist()):
         a, b = offs[k], offs[k + 1]
         seq, f = tokens[a:b], feats[a:b].float()
-        first = max(plen - 1, 2)  # positions whose next token the target generated
+        # generated shards: the positions whose next token the target generated itself
+        first = 2 if teacher is not None else max(plen - 1, 2)
         if b - a < first + 2:
             continue
         p = torch.arange(first, b - a - 1)
+        nxt = teacher[a:b].long()[p] if teacher is not None else seq[p + 1]
         e = embed(seq).float()
         variants = [f[p - 1]]
         if drafter is not None:
@@ -47,7 +50,7 @@ def router_examples(shard: dict[str, torch.Tensor], embed, assignment: torch.Ten
         for prev in variants:
             embs.append(e[p])
             prevs.append(prev)
-            labels.append(assignment[seq[p + 1]].long())
+            labels.append(assignment[nxt].long())
     if not embs:
         d = feats.shape[1]
         return torch.zeros(0, d), torch.zeros(0, d), torch.zeros(0, dtype=torch.long)

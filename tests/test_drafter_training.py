@@ -79,3 +79,31 @@ def test_prompt_batches_filter_one_slice(monkeypatch):
     got = dt._prompt_batches(tok, 1, 2, 50, "train", "code")
     assert [i for i, _ in got] == ["p3", "p6"]  # the 2nd and 3rd code prompts
     assert [i for i, _ in dt._prompt_batches(tok, 0, 3, 50, "train")] == ["p0", "p1", "p2"]
+
+
+def test_raw_collection_stores_the_targets_greedy_next_token(tmp_path, monkeypatch):
+    from dynaspec.shortlisters.router_training import router_examples
+
+    tgt = tiny_target("llama")
+
+    def raw_batches(tokenizer, start, count, max_tokens, split="train", slice_name=None):
+        return [(f"r{k}", tokenizer(TEXTS[k])["input_ids"][:max_tokens], 3)
+                for k in range(start, min(start + count, len(TEXTS)))]
+
+    monkeypatch.setattr(dt, "_raw_batches", raw_batches)
+    paths = dt.collect(tgt, tmp_path / "raw", prompts=3, shard_size=2, source="raw", new_tokens=20,
+                       max_prompt_tokens=10)
+    assert len(paths) == 2
+    shard = dt.load_shard(paths[0])
+    tokens, offs, teacher = shard["tokens"].long(), shard["offsets"].tolist(), shard["teacher"].long()
+    assert teacher.shape == tokens.shape and shard["prompt_lens"].tolist() == [3, 3]
+    for a, b in zip(offs[:-1], offs[1:]):
+        with torch.inference_mode():
+            greedy = tgt.model(input_ids=tokens[a:b][None]).logits[0].argmax(-1)
+        assert torch.equal(teacher[a:b], greedy)  # the target's choice, not the text's next token
+    assert not torch.equal(teacher[offs[0]:offs[1] - 1], tokens[offs[0] + 1:offs[1]])
+    assignment = torch.arange(tgt.vocab_size) % 5
+    emb, prev, labels = router_examples(shard, tgt.embed, assignment, None)
+    a, b = offs[0], offs[1]
+    assert torch.equal(labels[: b - a - 3], assignment[teacher[a + 2:b - 1]])
+    assert emb.shape == prev.shape and len(labels) == emb.shape[0]
