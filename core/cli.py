@@ -242,9 +242,9 @@ def cmd_eval_shortlist(args: argparse.Namespace) -> int:
         engine = Engine.from_stack(ref, target=target, drafter=drafter)
         target, drafter = engine.target, engine.drafter or drafter
         configs[engine.stack.name] = (engine.shortlister, engine.scheduler)
-    shards = sorted(Path(args.work).glob("shard-*.safetensors"))
+    shards = [p for folder in args.work for p in sorted(Path(folder).glob("shard-*.safetensors"))]
     if not shards:
-        raise ConfigError(f"no shards in {args.work}: collect dev shards with "
+        raise ConfigError(f"no shards in {' '.join(args.work)}: collect dev shards with "
                           "`dynaspec train-drafter --stage collect --split dev --work DIR`")
     report = evaluate_shortlisters(shards, target, drafter.float(), configs, depth=args.depth,
                                    max_positions=args.max_positions)
@@ -440,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Recall of the target's next token in each stack's shortlist, per draft "
                         "depth and slice, on dev shards (collected with --split dev); table, JSON and PNG.")
     es.add_argument("--stacks", nargs="+", required=True, help="stacks whose shortlister/scheduler to evaluate")
-    es.add_argument("--work", required=True, help="dev shards folder")
+    es.add_argument("--work", required=True, nargs="+", help="dev shard folders")
     es.add_argument("--depth", type=int, default=6)
     es.add_argument("--max-positions", type=int, default=None)
     es.add_argument("--out", required=True, help="folder for shortlist_eval.json and recall_vs_size.png")

@@ -151,3 +151,32 @@ def test_hybrid_stack_is_exact_and_keeps_its_core(artifacts, tmp_path):
     assert engine.generate(prompt, max_new_tokens=20).token_ids == reference_greedy("llama", prompt, 20)
     sl = engine.shortlister.layout.shortlist([])
     assert set(range(10)) <= set(sl.token_ids.tolist())
+
+
+def test_eval_shortlist_cli_reads_several_shard_folders(artifacts, tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    from dynaspec.cli import main
+
+    root, _ = artifacts
+    monkeypatch.setattr("dynaspec.data.load_conversations", lambda: [])
+    trained_drafter("llama").save(tmp_path / "drafter")
+    stack = tmp_path / "dyn.toml"
+    stack.write_text(f'name = "dyn"\ntarget = "tiny-llama"\ndrafter = "{tmp_path / "drafter"}"\n'
+                     f'[shortlister]\nname = "dynaspec"\nclusters = "{root / "clusters"}"\n'
+                     f'router = "{root / "router"}"\n[scheduler]\nname = "fixed"\nbudget = 2\n')
+    shards = sorted((root / "work").glob("shard-*.safetensors"))
+    for k, folder in enumerate(("a", "b")):
+        (tmp_path / folder).mkdir()
+        shutil.copy(shards[k], tmp_path / folder / shards[k].name)
+    assert main(["eval-shortlist", "--stacks", str(stack), "--work", str(tmp_path / "a"), str(tmp_path / "b"),
+                 "--depth", "2", "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "shortlist_eval.json").read_text())
+    one = report["dyn"]["overall"]["per_depth"]["0"]["positions"]
+    assert main(["eval-shortlist", "--stacks", str(stack), "--work", str(tmp_path / "a"), "--depth", "2",
+                 "--out", str(tmp_path / "out1")]) == 0
+    single = json.loads((tmp_path / "out1" / "shortlist_eval.json").read_text())
+    assert single["dyn"]["overall"]["per_depth"]["0"]["positions"] < one
+    assert main(["eval-shortlist", "--stacks", str(stack), "--work", str(tmp_path / "none"),
+                 "--out", str(tmp_path / "o")]) == 2
