@@ -35,7 +35,13 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
-    """A short side-by-side generation benchmark on the default target."""
+    """The benchmarks on the embedded default: draft-head time per backend against shortlist size
+    (with the per-draft-step breakdown), then the stacks side by side on the built-in prompt set.
+    Figures and plots go to `bench-out/`."""
     session.run("python", "-m", "pip", "install", "--quiet", "-e", ".", external=True)
-    session.run("dynaspec", "generate", "Write a short story about a lighthouse keeper.",
-                "--max-new-tokens", "64", external=True)
+    session.run("dynaspec", "bench-head", "--threads", "1", "--backends", "torch", "torch-blocked",
+                "--breakdown", "eagle-chain", "dynaspec", "--set", "backend=torch-blocked",
+                "--out", "bench-out/head", external=True)
+    session.run("dynaspec", "bench", "--threads", "1", "--stacks", "default", "eagle-chain", "fr-spec", "dynaspec",
+                "--limit-per-category", "1", "--max-new-tokens", "64", "--out", "bench-out/bench",
+                *session.posargs, external=True)

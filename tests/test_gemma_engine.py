@@ -34,3 +34,21 @@ def test_shipped_artifacts_refuse_another_target():
 
     with pytest.raises(ArtifactMismatchError):
         load_drafter("gemma3-270m", tiny_target("llama"))
+
+
+SHORTLISTING_STACKS = ["fr-spec", "fr-spec-pa", "dynaspec-fixed", "dynaspec", "dynaspec-hybrid",
+                       "dynaspec-confidence"]
+
+
+@pytest.mark.parametrize("stack", SHORTLISTING_STACKS)
+def test_shortlisting_stacks_match_baseline(engines, stack):
+    from dynaspec.data import format_prompt
+    from dynaspec.engine import Engine
+
+    base, _ = engines
+    spec = Engine.from_stack(stack, target=base.target)
+    text = format_prompt("Translate to French: the cat sleeps on the warm windowsill.")
+    ref = base.generate(text, max_new_tokens=24)
+    out = spec.generate(text, max_new_tokens=24)
+    assert out.token_ids == ref.token_ids
+    assert 0 < out.stats.mean_shortlist_size < 0.2 * base.target.vocab_size

@@ -1,0 +1,45 @@
+"""The artifacts shipped for the embedded default: present, small, consistent with each other and
+with the shipped drafter's target, refused by another target (fast: Gemma itself is not loaded)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dynaspec.errors import ArtifactMismatchError
+from dynaspec.shortlisters.clusters import load_clusters
+from dynaspec.shortlisters.frequency import load_frequency
+from dynaspec.shortlisters.router import Router, cluster_digest
+from dynaspec.targets import resolve_artifact, tiny_target
+
+GEMMA = resolve_artifact("gemma3-270m")
+
+
+def gemma_fingerprint() -> dict:
+    return json.loads((GEMMA / "drafter.json").read_text())["target"]
+
+
+def test_shortlisting_artifacts_are_shipped_and_small():
+    names = ["clusters.safetensors", "router.safetensors", "frequency.safetensors"]
+    sizes = {n: (GEMMA / n).stat().st_size for n in names}
+    assert sum(sizes.values()) < 20 * 2**20, sizes
+
+
+def test_artifacts_agree_with_the_drafters_target_and_each_other():
+    fingerprint = gemma_fingerprint()
+    clusters = load_clusters(GEMMA, fingerprint)
+    router, meta = Router.load(GEMMA, fingerprint)
+    ranked, _ = load_frequency(GEMMA, fingerprint)
+    vocab = fingerprint["vocab_size"]
+    assert clusters["assignment"].numel() == vocab == ranked.numel()
+    assert sorted(ranked.tolist()[:1000]) != list(range(1000))  # a real ranking, not the identity
+    assert router.cfg.clusters == clusters["centroids"].shape[0]
+    assert meta["clusters_sha"] == cluster_digest(clusters["assignment"])
+
+
+@pytest.mark.parametrize("load", [lambda fp: load_clusters(GEMMA, fp), lambda fp: Router.load(GEMMA, fp),
+                                  lambda fp: load_frequency(GEMMA, fp)])
+def test_shipped_artifacts_refuse_another_target(load):
+    with pytest.raises(ArtifactMismatchError):
+        load(tiny_target("llama").fingerprint())
