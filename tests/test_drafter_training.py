@@ -107,3 +107,35 @@ def test_raw_collection_stores_the_targets_greedy_next_token(tmp_path, monkeypat
     a, b = offs[0], offs[1]
     assert torch.equal(labels[: b - a - 3], assignment[teacher[a + 2:b - 1]])
     assert emb.shape == prev.shape and len(labels) == emb.shape[0]
+
+
+def test_describe_shards_counts_sources_and_refuses_dev(tmp_path, fake_prompts, monkeypatch):
+    from dynaspec.errors import ConfigError
+
+    tgt = tiny_target("llama")
+    gen = dt.collect(tgt, tmp_path / "w", prompts=2, shard_size=2, batch=2, new_tokens=4)
+    monkeypatch.setattr(dt, "_raw_batches", lambda tok, start, count, max_tokens, split="train", slice_name=None:
+                        [("r", tok(TEXTS[0])["input_ids"], 2)] if start == 0 else [])
+    raw = dt.collect(tgt, tmp_path / "r", prompts=1, shard_size=1, source="raw", new_tokens=4)
+    described = dt.describe_shards(gen + raw)
+    assert described["sources"] == {"generated": 1, "raw": 1} and described["shards"] == 2
+    assert "1 shards of raw conversations" in described["data"]
+    dev = dt.collect(tgt, tmp_path / "d", prompts=2, shard_size=2, batch=2, new_tokens=4, split="dev")
+    with pytest.raises(ConfigError, match="train only on train shards"):
+        dt.describe_shards(gen + dev)
+
+
+def test_train_drafter_cli_records_its_data_and_refuses_dev_shards(tmp_path, fake_prompts):
+    from dynaspec.cli import main
+
+    tgt = tiny_target("llama")
+    dt.collect(tgt, tmp_path / "w", prompts=4, shard_size=2, batch=2, new_tokens=6)
+    args = ["train-drafter", "--target", "tiny-llama", "--stage", "train", "--work", str(tmp_path / "w"),
+            "--steps", "2", "--batch-positions", "32", "--window", "16"]
+    assert main([*args, "--out", str(tmp_path / "drafter")]) == 0
+    config = json.loads((tmp_path / "drafter" / "drafter.json").read_text())
+    assert config["training"]["shard_sources"] == {"generated": 2}
+    assert "2 shards of first human turns" in config["training"]["data"]
+    dt.collect(tgt, tmp_path / "d", prompts=2, shard_size=2, batch=2, new_tokens=4, split="dev")
+    assert main([*args[:6], str(tmp_path / "d"), *args[7:], "--out", str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x").exists()
