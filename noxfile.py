@@ -40,7 +40,7 @@ def bench(session: nox.Session) -> None:
     Figures and plots go to `bench-out/`."""
     session.run("python", "-m", "pip", "install", "--quiet", "-e", ".", external=True)
     session.run("dynaspec", "bench-head", "--threads", "1", "--backends", "torch", "torch-blocked",
-                "--breakdown", "eagle-chain", "dynaspec", "--set", "backend=torch-blocked",
+                "--breakdown", "eagle-chain", "dynaspec",
                 "--out", "bench-out/head", external=True)
     session.run("dynaspec", "bench", "--threads", "1", "--stacks", "default", "eagle-chain", "fr-spec", "dynaspec",
                 "--limit-per-category", "1", "--max-new-tokens", "64", "--out", "bench-out/bench",

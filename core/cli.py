@@ -192,21 +192,18 @@ def _train_shards(folders: list[str], max_shards: int | None) -> list:
     shard of the first folder comes last: the one held out for recall."""
     from pathlib import Path
 
-    from safetensors import safe_open
+    from .drafter_training import describe_shards
 
     per_folder = []
     for folder in folders:
         found = sorted(Path(folder).glob("shard-*.safetensors"))[:max_shards]
         if not found:
             raise ConfigError(f"no shards in {folder}: collect them with `dynaspec train-drafter --stage collect`")
-        for path in found:
-            with safe_open(str(path), framework="pt") as fh:
-                split = (fh.metadata() or {}).get("split", "train")
-            if split != "train":
-                raise ConfigError(f"{path} holds {split} prompts: train only on train shards")
         per_folder.append(found)
     first = per_folder[0]
-    return [*first[:-1], *[p for rest in per_folder[1:] for p in rest], first[-1]]
+    shards = [*first[:-1], *[p for rest in per_folder[1:] for p in rest], first[-1]]
+    describe_shards(shards)  # refuses shards of another split than train
+    return shards
 
 
 def cmd_train_router(args: argparse.Namespace) -> int:

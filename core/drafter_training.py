@@ -73,9 +73,9 @@ def _raw_batches(tokenizer, start: int, count: int, max_tokens: int, split: str 
         if k >= start + count:
             break
         if k >= start:
-            prompt = tokenizer(format_prompt(human[:1500]))["input_ids"]
-            ids = tokenizer(format_prompt(human[:1500]) + " " + reply)["input_ids"][:max_tokens]
-            items.append((conv["id"], ids, min(len(prompt), len(ids))))
+            prompt = format_prompt(human[:1500])
+            ids = tokenizer(prompt + " " + reply)["input_ids"][:max_tokens]
+            items.append((conv["id"], ids, min(len(tokenizer(prompt)["input_ids"]), len(ids))))
         k += 1
     return items
 

@@ -66,14 +66,13 @@ def evaluate_shortlisters(shards: Sequence[Path], target, drafter: Drafter, conf
             nxt = seq[p + 1]
             slice_name = slices.get(ids[k], "english") if k < len(ids) else "english"
             for t in range(depth):
+                # one row per step, as in a chain: a shortlister given several rows returns their
+                # union (what a tree frontier needs), which is not one position's shortlist
+                steps = [DraftStep(depth=t, tokens=seq[q], token_embeddings=emb[q], prev_hidden=levels[t][q - 1])
+                         for q in p.split(1)]
                 for name, (shortlister, scheduler) in configs.items():
                     hits, sizes = [], []
-                    # one row per call, as in a chain: a shortlister given several rows returns
-                    # their union (what a tree frontier needs), which is not one position's shortlist
-                    for row in range(p.numel()):
-                        q = p[row:row + 1]
-                        step = DraftStep(depth=t, tokens=seq[q], token_embeddings=emb[q],
-                                         prev_hidden=levels[t][q - 1])
+                    for row, step in enumerate(steps):
                         sl = shortlister.propose(step, scheduler)
                         if isinstance(sl, list):
                             sl = sl[0]

@@ -3,8 +3,9 @@
 Examples come from the shards written by ``dynaspec train-drafter --stage collect``: at position
 ``p`` the router reads ``(E(x_p), h_{p-1})`` and must put the target's greedy next token into the
 top clusters — ``x_{p+1}`` of the target's own continuations, or the stored ``teacher`` token
-everywhere in raw-text shards (``--source raw``). ``h_{p-1}`` is the target's feature (what draft depth 0 sees) or, for a second copy of
-each example, the drafter's own prediction of it (what deeper draft steps see). The loss is the
+everywhere in raw-text shards (``--source raw``). ``h_{p-1}`` is the target's feature (what draft
+depth 0 sees) or, for a second copy of each example, the drafter's own prediction of it (what
+deeper draft steps see). The loss is the
 cross-entropy on the cluster of the next token; recall at several budgets is reported on held-out
 shards. Checkpoints and the final router are written atomically as safetensors.
 """
