@@ -349,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="collect on train (for training) or dev (for held-out evaluation only)")
     tr.add_argument("--source", choices=["generated", "raw"], default="generated",
                     help="generated: prompt + the target's greedy continuation; raw: prompt + the "
-                    "conversation's own answer in one prefill pass (about 20x cheaper per position), "
+                    "conversation's own answer in one prefill pass (several times cheaper per position), "
                     "with the target's greedy next token stored as the teacher")
     tr.add_argument("--slice", choices=["english", "code", "non-english"], default=None,
                     help="collect only prompts of this slice (e.g. a held-out non-English set)")
