@@ -122,10 +122,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     if args.stage in ("train", "all"):
         if not args.out:
             raise ConfigError("--out is required to train")
-        shards = sorted(work.glob(f"{dt.SHARD_PREFIX}*.safetensors"))[: args.max_shards]
-        described = dt.describe_shards(shards)  # refuses dev shards before any training
-        provenance = {"command": "dynaspec " + " ".join(sys.argv[1:]), "target": args.target,
-                      "data": described["data"], "shard_sources": described["sources"], "work": str(work)}
+        provenance = {"command": "dynaspec " + " ".join(sys.argv[1:]), "target": args.target, "work": str(work)}
         dt.train(target, work, Path(args.out), epochs=args.epochs, steps=args.steps, lr=args.lr,
                  window=args.window,
                  batch_positions=args.batch_positions, unroll=args.unroll, max_shards=args.max_shards,

@@ -335,6 +335,7 @@ def train(target: TargetModel, work: Path, out: Path, *, epochs: int = 2, steps:
     paths = shard_list()
     if not paths:
         raise FileNotFoundError(f"no shards in {work}: run the collection first")
+    describe_shards(paths)  # refuses dev shards before any training
     ckpt = work / f"ckpt-{out.name}"
     ckpt.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -353,6 +354,12 @@ def train(target: TargetModel, work: Path, out: Path, *, epochs: int = 2, steps:
     bar = tqdm(total=total_steps, initial=min(state["step"], total_steps), desc="train", unit="step",
                file=sys.stderr)
     start = time.time()
+    earlier_seconds = state.get("seconds", 0.0)  # training time of the runs this one resumes
+
+    def checkpoint(at: dict[str, Any]) -> None:
+        _save_checkpoint(drafter, opt, {**at, "seconds": round(earlier_seconds + time.time() - start, 1)},
+                         ckpt)
+
     drafter.train()
     seen_positions = 0
     def done() -> bool:
@@ -360,7 +367,9 @@ def train(target: TargetModel, work: Path, out: Path, *, epochs: int = 2, steps:
 
     while not done():
         if not state["shards"]:  # a new epoch: the current shard list, shuffled
-            names = [p.name for p in shard_list()]
+            current = shard_list()
+            describe_shards(current)  # a shard added since the start must be train too
+            names = [p.name for p in current]
             random.Random(seed + state["epoch"]).shuffle(names)
             state["shards"] = names
         for pos in range(state["shard"], len(state["shards"])):
@@ -381,24 +390,27 @@ def train(target: TargetModel, work: Path, out: Path, *, epochs: int = 2, steps:
                 bar.update(1)
                 bar.set_postfix({k: f"{v:.3f}" for k, v in stats.items()}, shards=len(state["shards"]))
                 if state["step"] % checkpoint_every == 0:
-                    _save_checkpoint(drafter, opt, {**state, "shard": pos}, ckpt)
+                    checkpoint({**state, "shard": pos})
             if steps is not None and done():
                 break
             state["shard"] = pos + 1
         else:
             state["epoch"] += 1
             state["shard"], state["shards"] = 0, []
-        _save_checkpoint(drafter, opt, state, ckpt)
+        checkpoint(state)
     bar.close()
     drafter.eval()
     used = shard_list()
+    described = describe_shards(used)
     drafter.meta = {
         "target": target.fingerprint(),
-        "training": {**(provenance or {}), "steps": state["step"], "epochs_started": state["epoch"] + 1,
+        "training": {**(provenance or {}), "data": described["data"], "shard_sources": described["sources"],
+                     "steps": state["step"], "epochs_started": state["epoch"] + 1,
                      "lr": lr, "window": window, "batch_positions": batch_positions, "unroll": unroll,
                      "frequent": frequent, "noise": noise, "shards_at_end": len(used),
                      "positions_at_end": _positions(used),
                      "train_seconds_this_run": round(time.time() - start, 1),
+                     "train_seconds": round(earlier_seconds + time.time() - start, 1),
                      "positions_seen_this_run": seen_positions},
     }
     drafter.save(out)

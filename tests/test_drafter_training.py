@@ -70,6 +70,33 @@ def test_train_resumes_and_writes_artifact(tmp_path, fake_prompts):
         load_drafter(str(out), tiny_target("gemma3"))
 
 
+def test_resumed_training_records_the_shards_it_ended_with_and_all_its_time(tmp_path, fake_prompts, monkeypatch):
+    from dynaspec.errors import ConfigError
+
+    target = tiny_target("llama")
+    work = tmp_path / "work"
+    dt.collect(target, work, prompts=4, shard_size=2, batch=2, new_tokens=6)
+    kwargs = dict(window=16, batch_positions=32, unroll=2, frequent=16, checkpoint_every=1)
+    dt.train(target, work, tmp_path / "d", steps=2, **kwargs)
+    earlier = json.loads((work / "ckpt-d" / "checkpoint.json").read_text())["seconds"]
+    assert earlier > 0
+    # a raw shard lands in the folder while the run is paused; the resumed run's later epochs use it
+    monkeypatch.setattr(dt, "_raw_batches", lambda tok, start, count, max_tokens, split="train", slice_name=None:
+                        [("r", tok(TEXTS[3])["input_ids"], 2)] if start == 0 else [])
+    raw = dt.collect(target, tmp_path / "raw", prompts=1, shard_size=1, source="raw", new_tokens=4)
+    raw[0].rename(work / "shard-01000.safetensors")
+    drafter = dt.train(target, work, tmp_path / "d", steps=40, **kwargs)
+    training = drafter.meta["training"]
+    assert training["shard_sources"] == {"generated": 2, "raw": 1} and training["shards_at_end"] == 3
+    assert "1 shards of raw conversations" in training["data"]
+    assert training["train_seconds"] >= earlier + training["train_seconds_this_run"] - 0.2
+    # a dev shard in the folder stops a resumed run instead of training on it
+    dev = dt.collect(target, tmp_path / "dev", prompts=2, shard_size=2, batch=2, new_tokens=4, split="dev")
+    dev[0].rename(work / "shard-02000.safetensors")
+    with pytest.raises(ConfigError, match="train only on train shards"):
+        dt.train(target, work, tmp_path / "d", steps=80, **kwargs)
+
+
 def test_prompt_batches_filter_one_slice(monkeypatch):
     from dynaspec import data
 
