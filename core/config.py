@@ -21,6 +21,7 @@ parameters. File layout::
     depth = 6
     topk = 10
     total_tokens = 60
+    router_overlap = "off"      # or "thread": route the next step beside the draft decoder layer
     [decode]
     temperature = 0.0
     top_p = 1.0
@@ -90,10 +91,18 @@ class DraftConfig:
     depth: int = attrs.field(default=6, validator=_positive_int("draft"))
     topk: int = attrs.field(default=10, validator=_positive_int("draft"))
     total_tokens: int = attrs.field(default=60, validator=_positive_int("draft"))
+    #: "thread" computes the router (which reads only E(x_t) and the previous feature) on a worker
+    #: thread while the draft decoder layer runs, instead of after it. It pays only where a core is
+    #: idle during the draft step (e.g. one torch thread per process on a multi-core machine).
+    router_overlap: str = attrs.field(default="off")
 
     @mode.validator
     def _mode(self, _attribute, value):
         _check("draft.mode", value in ("chain", "tree"), value, "must be 'chain' or 'tree'")
+
+    @router_overlap.validator
+    def _router_overlap(self, _attribute, value):
+        _check("draft.router_overlap", value in ("off", "thread"), value, "must be 'off' or 'thread'")
 
 
 @attrs.frozen

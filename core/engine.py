@@ -9,6 +9,7 @@ KV caches keep exactly the committed tokens.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Mapping, Sequence
 
 import attrs
@@ -37,6 +38,11 @@ class GenerationResult:
     def to_json(self) -> dict[str, Any]:
         return {"text": self.text, "token_ids": self.token_ids, "stack": self.stack,
                 **self.stats.to_dict()}
+
+
+def _propose_without_grad(shortlister, step: DraftStep, scheduler):
+    with torch.inference_mode():  # grad mode is per thread: the worker does not inherit it
+        return shortlister.propose(step, scheduler)
 
 
 class RowLogits:
@@ -77,6 +83,7 @@ class Engine:
         self.scheduler = build("scheduler", stack.scheduler.name, stack.scheduler.kwargs, self.ctx)
         self.backend = build("backend", stack.backend.name, stack.backend.kwargs, self.ctx)
         self._verifiers: dict[str, Any] = {}
+        self._router_pool: ThreadPoolExecutor | None = None  # made on first use (router_overlap)
         self.verifier_for(stack.decode.temperature)  # fail early on a bad verifier
 
     @classmethod
@@ -259,11 +266,12 @@ class Engine:
             emb = target.embed(fresh_tokens).to(dtype)
         feats = fresh_features.to(dtype)
         positions = torch.arange(root_pos - len(fresh_tokens) + 1, root_pos + 1)
+        step = DraftStep(depth=0, tokens=fresh_tokens[-1:], token_embeddings=emb[-1:],
+                         prev_hidden=feats[-1:])
+        routing = self._start_routing(step)
         with stats.timed("draft_core"):
             out = drafter(emb[None], feats[None], positions[None], cache=dcache)[0][-1:]
         base = dcache.length
-        step = DraftStep(depth=0, tokens=fresh_tokens[-1:], token_embeddings=emb[-1:],
-                         prev_hidden=feats[-1:])
         tree = DraftTree.with_root(int(fresh_tokens[-1]))
         frontier: list[int] = [0]
         slots: dict[int, int] = {}  # tree node -> its entry in the drafter cache (beyond `base`)
@@ -272,8 +280,9 @@ class Engine:
             if not any(counts):
                 break
             stats.draft_steps += 1
-            with stats.timed("router"):
-                shortlists = self.shortlister.propose(step, self.scheduler)
+            with stats.timed("router"):  # with router_overlap, only the wait that was not hidden
+                shortlists = routing() if routing else self.shortlister.propose(step, self.scheduler)
+                routing = None
             groups = ([(shortlists, list(range(len(frontier))))] if isinstance(shortlists, Shortlist)
                       else [(sl, [row]) for row, sl in enumerate(shortlists)])
             new_nodes, parent_row = [], {}
@@ -310,11 +319,26 @@ class Engine:
                 slots[node] = start + row
                 mask[row, start + row] = True
             positions = torch.full((1, len(frontier)), root_pos + 1 + depth)
+            step = DraftStep(depth=depth + 1, tokens=toks, token_embeddings=emb, prev_hidden=feats)
+            routing = self._start_routing(step)
             with stats.timed("draft_core"):
                 out = drafter(emb[None], feats[None], positions, cache=dcache, mask=mask)[0]
-            step = DraftStep(depth=depth + 1, tokens=toks, token_embeddings=emb, prev_hidden=feats)
+        if routing:
+            routing()  # a step that was routed but not drafted: finish it before returning
         dcache.crop(base)
         return tree.keep_best(cfg.total_tokens) if verifier.prunes else tree
+
+    def _start_routing(self, step: DraftStep):
+        """With ``draft.router_overlap = "thread"``, start proposing the shortlist of ``step`` on a
+        worker thread (the router reads only E(x_t) and the previous feature, so it can run beside
+        the draft decoder layer) and return a function that waits for it; otherwise None, and the
+        shortlist is proposed inline when it is needed."""
+        if self.stack.draft.router_overlap != "thread":
+            return None
+        if self._router_pool is None:
+            self._router_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynaspec-router")
+        future = self._router_pool.submit(_propose_without_grad, self.shortlister, step, self.scheduler)
+        return future.result
 
     def _child_counts(self, tree: DraftTree, n_frontier: int, depth: int, verifier) -> list[int]:
         """How many children each frontier node gets at this depth."""

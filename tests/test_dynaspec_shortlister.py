@@ -93,6 +93,47 @@ def test_dynaspec_stack_is_exact(artifacts, scheduler, per_row):
     assert 0 < result.stats.mean_shortlist_size < 128
 
 
+@pytest.mark.parametrize("draft", [{"mode": "chain", "depth": 5},
+                                   {"mode": "tree", "depth": 4, "topk": 3, "total_tokens": 10}])
+def test_router_overlap_on_a_thread_changes_nothing_but_where_the_router_runs(artifacts, draft):
+    """draft.router_overlap = "thread" proposes each shortlist on a worker thread while the draft
+    decoder layer runs: the output, the shortlists per depth and the acceptance are unchanged."""
+    import threading
+
+    root, _ = artifacts
+    runs = {}
+    for overlap in ("off", "thread"):
+        engine = make_engine("llama", trained_drafter("llama"), builtin_registry(),
+                             shortlister={"name": "dynaspec", "clusters": str(root / "clusters"),
+                                          "router": str(root / "router")},
+                             scheduler={"name": "confidence", "k_max": 6, "mass": 0.9, "k_min": 1},
+                             draft={**draft, "router_overlap": overlap})
+        threads = set()
+        propose = engine.shortlister.propose
+
+        def recording(step, scheduler, propose=propose, threads=threads):
+            threads.add(threading.current_thread().name)
+            assert not torch.is_grad_enabled()
+            return propose(step, scheduler)
+
+        engine.shortlister.propose = recording
+        results = [engine.generate(p, max_new_tokens=30) for p in ([5, 6, 7, 8], [30, 31, 9])]
+        runs[overlap] = (results, threads)
+    (plain, plain_threads), (overlapped, worker_threads) = runs["off"], runs["thread"]
+    assert plain_threads == {threading.current_thread().name}
+    assert worker_threads and all(name.startswith("dynaspec-router") for name in worker_threads)
+    for prompt, a, b in zip(([5, 6, 7, 8], [30, 31, 9]), plain, overlapped):
+        assert b.token_ids == a.token_ids == reference_greedy("llama", prompt, 30)
+        assert b.stats.accepted_lengths == a.stats.accepted_lengths
+        assert b.stats.shortlist_sizes == a.stats.shortlist_sizes
+
+
+def test_router_overlap_rejects_unknown_modes():
+    with pytest.raises(ConfigError, match="router_overlap"):
+        make_engine("llama", trained_drafter("llama"), builtin_registry(),
+                    draft={"mode": "chain", "depth": 3, "router_overlap": "stream"})
+
+
 def test_artifacts_for_another_target_are_refused(artifacts):
     root, _ = artifacts
     with pytest.raises(ArtifactMismatchError):
