@@ -215,11 +215,23 @@ def cmd_train_router(args: argparse.Namespace) -> int:
     clusters = load_clusters(resolve_artifact(args.clusters), fingerprint)
     drafter = load_drafter(args.drafter, target).float() if args.drafter else None
     shards = _train_shards(args.work, args.max_shards)
+    core_ids = None
+    if (args.core is None) != (args.frequency is None):
+        raise ConfigError("--core and --frequency go together: the hybrid's always-on core is the top "
+                          "--core tokens of the --frequency list")
+    if args.core is not None:
+        from .shortlisters.frequency import load_frequency
+
+        if args.core < 1:
+            raise ConfigError(f"--core {args.core} is invalid: must be at least 1")
+        core_ids = load_frequency(resolve_artifact(args.frequency), fingerprint)[0][:args.core]
     stats = train_router(shards, target.embed, clusters["assignment"].long(), clusters["centroids"].shape[0],
                          target.hidden_size, drafter=drafter, out=Path(args.out), fingerprint=fingerprint,
                          width=args.width, epochs=args.epochs, lr=args.lr,
+                         core_ids=core_ids, special_ids=target.special_token_ids,
                          provenance={"command": "dynaspec " + " ".join(sys.argv[1:]), "work": args.work,
-                                     "clusters": args.clusters, "drafter": args.drafter})
+                                     "clusters": args.clusters, "drafter": args.drafter,
+                                     "frequency": args.frequency, "core": args.core})
     print(json.dumps(stats["held_out_recall"]), file=sys.stderr)
     return 0
 
@@ -427,6 +439,11 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--epochs", type=int, default=3)
     rt.add_argument("--lr", type=float, default=2e-3)
     rt.add_argument("--max-shards", type=int, default=None)
+    rt.add_argument("--core", type=int, default=None, metavar="N",
+                    help="train for the `hybrid` shortlister: its top N --frequency tokens are always on, "
+                    "so the router gets one more class ('in the core') and its clusters only have to "
+                    "find the other tokens; use the router with that same frequency list and core")
+    rt.add_argument("--frequency", default=None, help="frequency list (name or path) of the --core")
     _add_threads(rt)
     rt.set_defaults(func=cmd_train_router)
 

@@ -34,6 +34,8 @@ class RouterConfig:
     hidden_size: int  # d of the target (each of the two inputs)
     width: int
     clusters: int
+    #: one more output scoring "the next token is in the hybrid's always-on core" (index ``clusters``)
+    core_class: bool = False
 
 
 def _rms(x: torch.Tensor) -> torch.Tensor:
@@ -47,7 +49,7 @@ class Router(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.inp = nn.Linear(2 * cfg.hidden_size, cfg.width)
-        self.out = nn.Linear(cfg.width, cfg.clusters)
+        self.out = nn.Linear(cfg.width, cfg.clusters + int(cfg.core_class))
 
     def forward(self, token_embeddings: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
         x = torch.cat([_rms(token_embeddings), _rms(prev_hidden)], dim=-1).to(self.inp.weight.dtype)
@@ -108,18 +110,23 @@ class DynaSpecShortlister:
         self.layout = layout
         self.head_layout = layout.order
         self.per_row = per_row
+        #: index of the router's "always-on core" output (a core-aware router), else None
+        self.core_index = router.cfg.clusters if router.cfg.core_class else None
 
     @torch.inference_mode()
     def propose(self, step: DraftStep, scheduler):
+        # With a core-aware router the core is one more scored slot: the scheduler's budget and
+        # probability mass count it like a cluster, and it costs nothing since it is always on.
         scores = torch.softmax(self.router(step.token_embeddings, step.prev_hidden).float(), dim=-1)
         k = max(1, min(int(scheduler.budget(depth=step.depth, scores=scores)), scores.shape[-1]))
         top = scores.topk(k, dim=-1).indices
+        rows = [[m for m in row.tolist() if m != self.core_index] for row in top]
         if self.per_row:
-            return [self.layout.shortlist(row.tolist()) for row in top]
-        return self.layout.shortlist(top.flatten().tolist())
+            return [self.layout.shortlist(row) for row in rows]
+        return self.layout.shortlist([m for row in rows for m in row])
 
 
-def _dynaspec(params: dict, ctx: BuildContext) -> DynaSpecShortlister:
+def _dynaspec(params: dict, ctx: BuildContext, core_sha: str | None = None) -> DynaSpecShortlister:
     params = dict(params)
     clusters_path, router_path = params.pop("clusters", None), params.pop("router", None)
     per_row = bool(params.pop("per_row", False))
@@ -137,6 +144,12 @@ def _dynaspec(params: dict, ctx: BuildContext) -> DynaSpecShortlister:
         raise ConfigError(f"router scores {router.cfg.clusters} clusters but the cluster file has {m}")
     if meta.get("clusters_sha") and meta["clusters_sha"] != cluster_digest(data["assignment"]):
         raise ConfigError("the router was trained for another clustering of the vocabulary")
+    core = meta.get("core")
+    if router.cfg.core_class and (core_sha is None or core is None or core.get("sha") != core_sha):
+        trained = f"a {core['size']}-token frequency core" if core else "a frequency core"
+        raise ConfigError(f"the router at {router_path!r} was trained for the hybrid shortlister with "
+                          f"{trained}; use it with shortlister 'hybrid' and that same 'frequency' list "
+                          "and 'core' size")
     layout = ClusterLayout(data["assignment"], m, ctx.special_token_ids)
     return DynaSpecShortlister(router, layout, per_row=per_row)
 
@@ -155,7 +168,15 @@ def _hybrid(params: dict, ctx: BuildContext) -> DynaSpecShortlister:
     ranked, _ = load_frequency(ctx.resolve_artifact(str(core_path)), dict(ctx.target_fingerprint))
     always = tuple(sorted(set(ctx.special_token_ids) | set(ranked[:core].tolist())))
     inner = BuildContext(**{**attrs.asdict(ctx, recurse=False), "special_token_ids": always})
-    return _dynaspec(params, inner)
+    return _dynaspec(params, inner, core_sha=core_digest(ranked[:core]))
+
+
+def core_digest(core_ids: torch.Tensor) -> str:
+    """Identity of an always-on frequency core (its token set), recorded by a core-aware router."""
+    import hashlib
+
+    ids = torch.sort(core_ids.to(torch.int64)).values.to(torch.int32).contiguous()
+    return hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]
 
 
 def cluster_digest(assignment: torch.Tensor) -> str:

@@ -8,6 +8,10 @@ depth 0 sees) or, for a second copy of each example, the drafter's own predictio
 deeper draft steps see). The loss is the
 cross-entropy on the cluster of the next token; recall at several budgets is reported on held-out
 shards. Checkpoints and the final router are written atomically as safetensors.
+
+With ``core_ids`` (``--core N --frequency LIST``) the router is trained for the ``hybrid`` shortlister:
+its clusters no longer hold the always-on core, so it gets one more class, "the next token is in the
+core", and the cluster classes only have to find the tokens the core misses.
 """
 
 from __future__ import annotations
@@ -22,13 +26,15 @@ import torch.nn.functional as F
 
 from dynaspec.drafter import Drafter
 
-from .router import Router, RouterConfig, cluster_digest
+from .router import Router, RouterConfig, cluster_digest, core_digest
 
 
 @torch.no_grad()
 def router_examples(shard: dict[str, torch.Tensor], embed, assignment: torch.Tensor,
-                    drafter: Drafter | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(E(x_p) [N, d], h_{p-1} [N, d], cluster label [N]) over the continuation positions."""
+                    drafter: Drafter | None, in_core: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(E(x_p) [N, d], h_{p-1} [N, d], cluster label [N]) over the continuation positions. With
+    ``in_core`` (a vocabulary mask), next tokens in the core get the extra label ``M`` (= clusters)."""
     tokens, feats = shard["tokens"].long(), shard["features"]
     teacher = shard.get("teacher")  # raw-text shards: the target's greedy next token everywhere
     offs = shard["offsets"].tolist()
@@ -48,26 +54,40 @@ def router_examples(shard: dict[str, torch.Tensor], embed, assignment: torch.Ten
             pos = torch.arange(1, b - a)[None]
             pred = drafter(e[1:][None], f[:-1][None], pos)[0]  # pred[j] ~ f[j + 1]
             variants.append(pred[p - 2].float())
+        label = assignment[nxt].long()
+        if in_core is not None:
+            label = torch.where(in_core[nxt], int(assignment.max()) + 1, label)
         for prev in variants:
             embs.append(e[p])
             prevs.append(prev)
-            labels.append(assignment[nxt].long())
+            labels.append(label)
     if not embs:
         d = feats.shape[1]
         return torch.zeros(0, d), torch.zeros(0, d), torch.zeros(0, dtype=torch.long)
     return torch.cat(embs), torch.cat(prevs), torch.cat(labels)
 
 
-def recall_at(logits: torch.Tensor, labels: torch.Tensor, ks: list[int]) -> dict[int, float]:
-    ranks = (logits > logits.gather(1, labels[:, None])).sum(1)
-    return {k: float((ranks < k).float().mean()) for k in ks}
+def recall_at(logits: torch.Tensor, labels: torch.Tensor, ks: list[int],
+              core_index: int | None = None) -> dict[int, float]:
+    """Fraction of labels among the top ``k`` classes; with a core class, the core is always on and
+    does not take one of the ``k`` places."""
+    if core_index is None:
+        ranks = (logits > logits.gather(1, labels[:, None])).sum(1)
+        return {k: float((ranks < k).float().mean()) for k in ks}
+    clusters = logits[:, :core_index]
+    in_core = labels == core_index
+    lab = labels.clamp(max=core_index - 1)
+    ranks = (clusters > clusters.gather(1, lab[:, None])).sum(1)
+    return {k: float(((ranks < k) | in_core).float().mean()) for k in ks}
 
 
 def train_router(shards: list[Path], embed, assignment: torch.Tensor, clusters: int, hidden_size: int,
                  *, drafter: Drafter | None, out: Path, fingerprint: dict[str, Any], width: int = 1024,
                  epochs: int = 3, lr: float = 2e-3, batch: int = 1024, holdout: int = 1, seed: int = 0,
+                 core_ids: torch.Tensor | None = None, special_ids: tuple[int, ...] = (),
                  provenance: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Train and save a router; returns held-out recall figures."""
+    """Train and save a router; returns held-out recall figures. ``core_ids``: the hybrid's always-on
+    frequency core, for a core-aware router; ``special_ids`` (always on too) count as core."""
     from tqdm import tqdm
 
     from dynaspec.drafter_training import load_shard
@@ -75,13 +95,23 @@ def train_router(shards: list[Path], embed, assignment: torch.Tensor, clusters: 
     if len(shards) <= holdout:
         raise ValueError(f"need more than {holdout} shards (one is held out for recall)")
     torch.manual_seed(seed)
-    data = [router_examples(load_shard(p), embed, assignment, drafter)
+    core_index, in_core = None, None
+    if core_ids is not None:
+        # the layout takes the core out of its clusters; class `clusters` is "in the core"
+        if int(assignment.max()) + 1 != clusters:
+            raise ValueError("the cluster assignment does not use its last cluster id")
+        core_index = clusters
+        in_core = torch.zeros(len(assignment), dtype=torch.bool)
+        in_core[core_ids.long()] = True
+        in_core[list(special_ids)] = True
+    data = [router_examples(load_shard(p), embed, assignment, drafter, in_core)
             for p in tqdm(shards, desc="examples", unit="shard", file=sys.stderr)]
     train_parts, held = data[:-holdout], data[-holdout:]
     e = torch.cat([d[0] for d in train_parts]).to(torch.bfloat16)
     h = torch.cat([d[1] for d in train_parts]).to(torch.bfloat16)
     y = torch.cat([d[2] for d in train_parts])
-    router = Router(RouterConfig(hidden_size=hidden_size, width=width, clusters=clusters))
+    router = Router(RouterConfig(hidden_size=hidden_size, width=width, clusters=clusters,
+                                 core_class=core_index is not None))
     opt = torch.optim.AdamW(router.parameters(), lr=lr, weight_decay=0.01)
     steps = epochs * max(1, len(y) // batch)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
@@ -108,8 +138,10 @@ def train_router(shards: list[Path], embed, assignment: torch.Tensor, clusters: 
         hh = torch.cat([d[1] for d in held])
         hy = torch.cat([d[2] for d in held])
         ks = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256} & set(range(1, clusters + 1)))
-        recall = recall_at(router(he, hh), hy, ks) if len(hy) else {}
+        recall = recall_at(router(he, hh), hy, ks, core_index) if len(hy) else {}
     meta = {"target": fingerprint, "clusters_sha": cluster_digest(assignment),
+            **({"core": {"size": int(core_ids.numel()), "sha": core_digest(core_ids)}}
+               if core_ids is not None else {}),
             "training": {**(provenance or {}), "examples": int(len(y)), "epochs": epochs, "lr": lr,
                          "width": width, "held_out_examples": int(len(hy)),
                          "held_out_recall": {str(k): round(v, 4) for k, v in recall.items()}}}

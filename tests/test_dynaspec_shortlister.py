@@ -177,6 +177,19 @@ def test_confidence_scheduler(registry):
         registry.build("scheduler", "confidence", {"mass": 1.5}, None)
 
 
+def test_confidence_mass_per_depth(registry):
+    """A list gives one mass per depth; the last serves every deeper step."""
+    sched = registry.build("scheduler", "confidence", {"k_max": 64, "k_min": 1, "mass": [0.99, 0.8, 0.5]}, None)
+    scores = torch.tensor([[0.5, 0.25, 0.125, 0.0625, 0.0625]])  # cumulative 0.5 0.75 0.875 0.9375 1 (exact)
+    assert [sched.budget(depth=t, scores=scores) for t in range(5)] == [5, 3, 1, 1, 1]
+    assert sched.mass == (0.99, 0.8, 0.5)
+    single = registry.build("scheduler", "confidence", {"k_max": 64, "k_min": 1, "mass": 0.8}, None)
+    assert [single.budget(depth=t, scores=scores) for t in range(2)] == [3, 3] and single.mass == 0.8
+    for bad in ([], [0.9, 0.0], [0.9, "x"], [True]):
+        with pytest.raises(ConfigError, match="one per draft depth"):
+            registry.build("scheduler", "confidence", {"mass": bad}, None)
+
+
 def test_hybrid_stack_is_exact_and_keeps_its_core(artifacts, tmp_path):
     from dynaspec.shortlisters.frequency import save_frequency
 
@@ -221,3 +234,120 @@ def test_eval_shortlist_cli_reads_several_shard_folders(artifacts, tmp_path, mon
     assert single["dyn"]["overall"]["per_depth"]["0"]["positions"] < one
     assert main(["eval-shortlist", "--stacks", str(stack), "--work", str(tmp_path / "none"),
                  "--out", str(tmp_path / "o")]) == 2
+
+
+def test_recall_with_a_core_class_counts_core_tokens_as_found():
+    from dynaspec.shortlisters.router_training import recall_at
+
+    logits = torch.tensor([[3.0, 2.0, 1.0, 9.0], [1.0, 2.0, 3.0, 0.0], [0.0, 1.0, 2.0, 5.0]])
+    labels = torch.tensor([1, 0, 3])  # cluster 1 (rank 2), cluster 0 (rank 3), in the core
+    # the core class is always on and takes none of the k places
+    got = recall_at(logits, labels, [1, 2, 3], core_index=3)
+    assert got == pytest.approx({1: 1 / 3, 2: 2 / 3, 3: 1.0})
+    # without a core class the fourth output is a cluster competing for the k places
+    assert recall_at(logits, labels, [1, 2, 3], core_index=None) == pytest.approx({1: 1 / 3, 2: 1 / 3, 3: 1.0})
+
+
+def _varied_shards(folder, tgt, n_shards=4, per_shard=8, length=24):
+    """Shards whose next tokens vary (the tiny target's own continuations repeat one token): each
+    sequence follows x -> (5x + 3) mod |V| from a random start, with the target's real features."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    paths = []
+    for k in range(n_shards):
+        seqs = []
+        for _ in range(per_shard):
+            x = [int(torch.randint(tgt.vocab_size, (1,), generator=gen))]
+            for _ in range(length - 1):
+                x.append((5 * x[-1] + 3) % tgt.vocab_size)
+            seqs.append(x)
+        feats = [tgt.forward(torch.tensor(x), torch.arange(length), tgt.new_cache()) for x in seqs]
+        tensors = {"tokens": torch.tensor(seqs, dtype=torch.int32).flatten(),
+                   "offsets": torch.arange(per_shard + 1, dtype=torch.int64) * length,
+                   "prompt_lens": torch.full((per_shard,), 2, dtype=torch.int32),
+                   "features": torch.cat(feats).to(torch.bfloat16).contiguous()}
+        paths.append(folder / f"shard-{k:05d}.safetensors")
+        save_file(tensors, str(paths[-1]), metadata={"split": "train", "source": "generated"})
+    return paths
+
+
+@pytest.fixture(scope="module")
+def core_router(artifacts, tmp_path_factory):
+    """A router trained for the hybrid with the 12 most frequent next tokens always on."""
+    from dynaspec.shortlisters.frequency import load_frequency, save_frequency
+    from dynaspec.shortlisters.router_training import router_examples
+
+    root, _ = artifacts
+    out = tmp_path_factory.mktemp("core")
+    tgt = target("llama")
+    paths = _varied_shards(out / "work", tgt)
+    identity = torch.arange(tgt.vocab_size)  # "clusters" of one token: labels are the next tokens
+    nxt = torch.cat([router_examples(dt.load_shard(p), tgt.embed, identity, None)[2] for p in paths])
+    save_frequency(out / "freq", torch.bincount(nxt, minlength=tgt.vocab_size), {"target": tgt.fingerprint()})
+    core = load_frequency(out / "freq", tgt.fingerprint())[0][:12]
+    assignment = load_clusters(root / "clusters", tgt.fingerprint())["assignment"].long()
+    stats = train_router(paths, tgt.embed, assignment, 8, tgt.hidden_size, drafter=trained_drafter("llama"),
+                         out=out / "router", fingerprint=tgt.fingerprint(), width=64, epochs=30, lr=5e-3,
+                         batch=64, core_ids=core, special_ids=tgt.special_token_ids)
+    return out, stats, assignment, core
+
+
+def test_core_aware_router_has_a_core_class_and_learns(core_router, artifacts):
+    from dynaspec.shortlisters.router import Router
+    from dynaspec.shortlisters.router_training import router_examples
+
+    out, stats, assignment, core = core_router
+    tgt = target("llama")
+    router, meta = Router.load(out / "router", tgt.fingerprint())
+    assert router.cfg.core_class and router.out.out_features == 9 and meta["core"]["size"] == 12
+    shards = [dt.load_shard(p) for p in sorted((out / "work").glob("shard-*.safetensors"))]
+    in_core = torch.zeros(tgt.vocab_size, dtype=torch.bool)
+    in_core[core] = True
+    plain = torch.cat([router_examples(s, tgt.embed, assignment, None)[2] for s in shards])
+    labels = torch.cat([router_examples(s, tgt.embed, assignment, None, in_core)[2] for s in shards])
+    core_rows = labels == 8
+    assert core_rows.any() and (~core_rows).any()  # both kinds occur in the tiny continuations
+    assert torch.equal(labels[~core_rows], plain[~core_rows])
+    recall = {int(k): v for k, v in stats["held_out_recall"].items()}
+    # the next token is a function of the current one: far better than the core share + 1 cluster in 8
+    chance = float(core_rows.float().mean()) + float((~core_rows).float().mean()) / 8
+    assert recall[8] == 1.0 and recall[1] > chance + 0.1
+
+
+@pytest.mark.parametrize("draft", [{"mode": "chain", "depth": 5},
+                                   {"mode": "tree", "depth": 3, "topk": 2, "total_tokens": 6}])
+def test_hybrid_with_a_core_aware_router_is_exact(core_router, artifacts, draft):
+    root, _ = artifacts
+    out = core_router[0]
+    engine = make_engine("llama", trained_drafter("llama"), builtin_registry(), shortlister={
+        "name": "hybrid", "clusters": str(root / "clusters"), "router": str(out / "router"),
+        "frequency": str(out / "freq"), "core": 12}, scheduler={"name": "confidence", "k_max": 3, "mass": 0.8},
+        draft=draft)
+    for prompt in ([11, 12, 13], [5, 6, 7, 8]):
+        result = engine.generate(prompt, max_new_tokens=24)
+        assert result.token_ids == reference_greedy("llama", prompt, 24)
+    # all 9 slots: the 8 clusters and the core slot, which is dropped (it is no cluster) -> the vocabulary
+    from dynaspec.types import DraftStep
+
+    tgt = target("llama")
+    shortlister, tokens = engine.shortlister, torch.tensor([11, 12])
+    assert shortlister.core_index == 8
+    step = DraftStep(depth=0, tokens=tokens, token_embeddings=tgt.embed(tokens),
+                     prev_hidden=torch.randn(2, tgt.hidden_size))
+    every = builtin_registry().build("scheduler", "fixed", {"budget": 9}, None)
+    assert sorted(shortlister.propose(step, every).token_ids.tolist()) == list(range(tgt.vocab_size))
+
+
+def test_core_aware_router_is_refused_without_its_core(core_router, artifacts):
+    root, _ = artifacts
+    out = core_router[0]
+    with pytest.raises(ConfigError, match="trained for the hybrid shortlister with a 12-token"):
+        make_engine("llama", trained_drafter("llama"), builtin_registry(),
+                    shortlister={"name": "dynaspec", "clusters": str(root / "clusters"), "router": str(out / "router")},
+                    scheduler={"name": "fixed", "budget": 2})
+    with pytest.raises(ConfigError, match="same 'frequency' list and 'core' size"):
+        make_engine("llama", trained_drafter("llama"), builtin_registry(), shortlister={
+            "name": "hybrid", "clusters": str(root / "clusters"), "router": str(out / "router"),
+            "frequency": str(out / "freq"), "core": 5}, scheduler={"name": "fixed", "budget": 2})
