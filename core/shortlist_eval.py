@@ -6,6 +6,11 @@ shortlist from what it would see at depth ``t`` of a chain whose earlier drafts 
 ``E(x_p)`` and the drafter's ``t``-times self-fed prediction of ``f_{p-1}`` (the target's true
 feature at ``t = 0``). Recall is the fraction of next tokens inside the shortlist; it is reported
 per depth and per slice against the average shortlist size, as a table and a PNG plot.
+
+Recall is not the whole story: a shortlist can also drop the drafter's wrong favourite and so make
+its draft right. So each position also gets the drafter's greedy draft inside the shortlist, and a
+chain of ``depth`` drafts from every start position is simulated: its accepted length is 1 + the
+number of leading drafts that equal the target's tokens (what greedy verification accepts).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from .drafter import Drafter
 from .types import DraftStep
@@ -48,6 +54,8 @@ def evaluate_shortlisters(shards: Sequence[Path], target, drafter: Drafter, conf
 
     slices = {c["id"]: conversation_slice(c) for c in load_conversations()}
     acc: dict[str, dict[str, dict[int, list[float]]]] = {}
+    chains: dict[str, dict[str, list[float]]] = {}  # name -> slice -> [sum of accepted lengths, chains]
+    weight = target.lm_head_weight
     seen = 0
     for path in tqdm(shards, desc="eval-shortlist", unit="shard", file=sys.stderr):
         shard = load_shard(path)
@@ -65,7 +73,11 @@ def evaluate_shortlisters(shards: Sequence[Path], target, drafter: Drafter, conf
             p = torch.arange(first, seq.numel() - 1)
             nxt = seq[p + 1]
             slice_name = slices.get(ids[k], "english") if k < len(ids) else "english"
+            correct = {name: torch.zeros(depth, p.numel(), dtype=torch.bool) for name in configs}
             for t in range(depth):
+                # the drafter's output at depth t for position q is levels[t + 1][q]
+                out = levels[t + 1][p].to(weight.dtype)
+                best = torch.cat([F.linear(c, weight).argmax(-1) for c in out.split(256)])
                 # one row per step, as in a chain: a shortlister given several rows returns their
                 # union (what a tree frontier needs), which is not one position's shortlist
                 steps = [DraftStep(depth=t, tokens=seq[q], token_embeddings=emb[q], prev_hidden=levels[t][q - 1])
@@ -79,15 +91,33 @@ def evaluate_shortlisters(shards: Sequence[Path], target, drafter: Drafter, conf
                         if sl.token_ids is None:
                             hits.append(1.0)
                             sizes.append(float(target.vocab_size))
+                            draft = best[row]
                         else:
                             hits.append(float(bool((sl.token_ids == nxt[row]).any())))
                             sizes.append(float(sl.token_ids.numel()))
+                            # the full-vocabulary favourite wins inside any shortlist that holds it
+                            draft = best[row]
+                            if not bool((sl.token_ids == draft).any()):
+                                draft = sl.token_ids[F.linear(out[row], weight[sl.token_ids]).argmax()]
+                        correct[name][t, row] = bool(draft == nxt[row])
                     for sl_name in ("overall", slice_name):
                         bucket = acc.setdefault(name, {}).setdefault(sl_name, {})
                         bucket.setdefault(t, [0.0, 0.0, 0.0])
                         bucket[t][0] += sum(hits)
                         bucket[t][1] += sum(sizes)
                         bucket[t][2] += len(hits)
+            for name, c in correct.items():
+                # the chain started after position p[i] drafts p[i] + 1 ... at depths 0, 1, ...:
+                # its depth-t draft is the one made at position p[i + t]
+                n = p.numel() - depth + 1
+                if n <= 0:
+                    continue
+                diag = torch.stack([c[t, t:t + n] for t in range(depth)])  # [depth, n]
+                accepted = diag.int().cumprod(0).sum(0).float() + 1
+                for sl_name in ("overall", slice_name):
+                    total = chains.setdefault(name, {}).setdefault(sl_name, [0.0, 0.0])
+                    total[0] += float(accepted.sum())
+                    total[1] += n
             seen += p.numel()
             if max_positions and seen >= max_positions:
                 break
@@ -99,20 +129,27 @@ def evaluate_shortlisters(shards: Sequence[Path], target, drafter: Drafter, conf
         for sl_name, per_depth in per_slice.items():
             rows = {t: {"recall": v[0] / v[2], "size": v[1] / v[2], "positions": int(v[2])}
                     for t, v in sorted(per_depth.items())}
+            total = chains.get(name, {}).get(sl_name, [0.0, 0.0])
             report[name][sl_name] = {
                 "per_depth": rows,
                 "mean_recall": sum(r["recall"] for r in rows.values()) / len(rows),
                 "mean_size": sum(r["size"] for r in rows.values()) / len(rows),
+                "chain_accepted_length": total[0] / total[1] if total[1] else None,
+                "chains": int(total[1]),
             }
     return report
 
 
 def format_report(report: dict[str, Any]) -> str:
-    lines = ["| shortlister | slice | mean size | mean recall | recall per depth |", "|---|---|---|---|---|"]
+    lines = ["| shortlister | slice | mean size | mean recall | simulated chain accepted length | "
+             "recall per depth |", "|---|---|---|---|---|---|"]
     for name, per_slice in report.items():
         for sl_name, f in per_slice.items():
             depths = " ".join(f"{r['recall']:.3f}@{r['size']:,.0f}" for r in f["per_depth"].values())
-            lines.append(f"| {name} | {sl_name} | {f['mean_size']:,.0f} | {f['mean_recall']:.4f} | {depths} |")
+            al = f.get("chain_accepted_length")
+            al_text = f"{al:.3f}" if al is not None else "-"
+            lines.append(f"| {name} | {sl_name} | {f['mean_size']:,.0f} | {f['mean_recall']:.4f} | {al_text} | "
+                         f"{depths} |")
     return "\n".join(lines)
 
 

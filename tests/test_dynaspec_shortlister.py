@@ -351,3 +351,42 @@ def test_core_aware_router_is_refused_without_its_core(core_router, artifacts):
         make_engine("llama", trained_drafter("llama"), builtin_registry(), shortlister={
             "name": "hybrid", "clusters": str(root / "clusters"), "router": str(out / "router"),
             "frequency": str(out / "freq"), "core": 5}, scheduler={"name": "fixed", "budget": 2})
+
+
+def test_eval_shortlist_simulates_chain_acceptance(artifacts, tmp_path, monkeypatch):
+    """The simulated chain accepted length: 1 + the leading drafts (each the drafter's favourite in
+    the shortlist) that equal the target's tokens, from every start position; checked against a
+    direct loop for the full vocabulary, and near 1 for a shortlist of the special tokens only."""
+    from dynaspec import shortlist_eval
+    from dynaspec.shortlisters.frequency import FrequencyShortlister
+
+    monkeypatch.setattr("dynaspec.data.load_conversations", lambda: [])
+    tgt, drafter = target("llama"), trained_drafter("llama")
+    # the tiny target's own continuations (which its drafter gets right) and varied ones (mostly not)
+    paths = [*sorted((artifacts[0] / "work").glob("shard-*.safetensors"))[:1],
+             *_varied_shards(tmp_path / "work", tgt, n_shards=2, per_shard=4, length=16)]
+    registry = builtin_registry()
+    full = registry.build("shortlister", "full", {}, None)
+    fixed1 = registry.build("scheduler", "fixed", {"budget": 1}, None)
+    tiny = FrequencyShortlister(torch.arange(tgt.vocab_size), tuple(tgt.special_token_ids), tgt.vocab_size)
+    depth = 3
+    report = shortlist_eval.evaluate_shortlisters(paths, tgt, drafter, {"full": (full, fixed1), "one": (tiny, fixed1)},
+                                                  depth=depth)
+    total, chains = 0, 0
+    for path in paths:
+        shard = dt.load_shard(path)
+        offs = shard["offsets"].tolist()
+        for k, plen in enumerate(shard["prompt_lens"].tolist()):
+            seq, feats = shard["tokens"][offs[k]:offs[k + 1]].long(), shard["features"][offs[k]:offs[k + 1]]
+            levels = shortlist_eval.unrolled_features(drafter, tgt.embed(seq).float(), feats, depth)
+            first, last = max(plen - 1, 1), seq.numel() - 2
+            for start in range(first, last - depth + 2):
+                a = 0
+                while a < depth and int(tgt.logits(levels[a + 1][start + a][None]).argmax()) == int(seq[start + a + 1]):
+                    a += 1
+                total, chains = total + 1 + a, chains + 1
+    got = report["full"]["overall"]
+    assert got["chains"] == chains and got["chain_accepted_length"] == pytest.approx(total / chains)
+    assert 1.5 < got["chain_accepted_length"] < depth + 0.5  # the drafter is right often, not always
+    assert report["one"]["overall"]["chain_accepted_length"] < 1.1
+    assert "simulated chain accepted length" in shortlist_eval.format_report(report)
