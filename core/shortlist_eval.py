@@ -8,9 +8,13 @@ feature at ``t = 0``). Recall is the fraction of next tokens inside the shortlis
 per depth and per slice against the average shortlist size, as a table and a PNG plot.
 
 Recall is not the whole story: a shortlist can also drop the drafter's wrong favourite and so make
-its draft right. So each position also gets the drafter's greedy draft inside the shortlist, and a
-chain of ``depth`` drafts from every start position is simulated: its accepted length is 1 + the
-number of leading drafts that equal the target's tokens (what greedy verification accepts).
+its draft right. So each position also gets the drafter's greedy draft inside the shortlist, and
+greedy speculative decoding of the continuation with chains of ``depth`` drafts is replayed: each
+cycle keeps the leading drafts that equal the target's tokens plus the target's own next token,
+and the next cycle starts after them. The accepted length is tokens per cycle, as ``dynaspec eval``
+reports it. (Deeper drafts read the drafter's self-fed features at every earlier position too,
+where decoding has the target's true features for the committed ones: an approximation, the same
+for every stack.)
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ def evaluate_shortlisters(shards: Sequence[Path], target, drafter: Drafter, conf
 
     slices = {c["id"]: conversation_slice(c) for c in load_conversations()}
     acc: dict[str, dict[str, dict[int, list[float]]]] = {}
-    chains: dict[str, dict[str, list[float]]] = {}  # name -> slice -> [sum of accepted lengths, chains]
+    chains: dict[str, dict[str, list[float]]] = {}  # name -> slice -> [tokens, cycles] of the replay
     weight = target.lm_head_weight
     seen = 0
     for path in tqdm(shards, desc="eval-shortlist", unit="shard", file=sys.stderr):
@@ -107,17 +111,19 @@ def evaluate_shortlisters(shards: Sequence[Path], target, drafter: Drafter, conf
                         bucket[t][1] += sum(sizes)
                         bucket[t][2] += len(hits)
             for name, c in correct.items():
-                # the chain started after position p[i] drafts p[i] + 1 ... at depths 0, 1, ...:
-                # its depth-t draft is the one made at position p[i + t]
-                n = p.numel() - depth + 1
-                if n <= 0:
-                    continue
-                diag = torch.stack([c[t, t:t + n] for t in range(depth)])  # [depth, n]
-                accepted = diag.int().cumprod(0).sum(0).float() + 1
+                # decode the continuation as greedy speculative decoding does: a cycle after position
+                # p[i] drafts depths 0, 1, ... (the depth-t draft is the one made at p[i + t]), keeps
+                # the leading right drafts plus the target's own token, and the next cycle starts there
+                tokens = cycles = i = 0
+                while i + depth <= p.numel():
+                    a = 0
+                    while a < depth and c[a, i + a]:
+                        a += 1
+                    tokens, cycles, i = tokens + 1 + a, cycles + 1, i + 1 + a
                 for sl_name in ("overall", slice_name):
                     total = chains.setdefault(name, {}).setdefault(sl_name, [0.0, 0.0])
-                    total[0] += float(accepted.sum())
-                    total[1] += n
+                    total[0] += tokens
+                    total[1] += cycles
             seen += p.numel()
             if max_positions and seen >= max_positions:
                 break
@@ -135,13 +141,13 @@ def evaluate_shortlisters(shards: Sequence[Path], target, drafter: Drafter, conf
                 "mean_recall": sum(r["recall"] for r in rows.values()) / len(rows),
                 "mean_size": sum(r["size"] for r in rows.values()) / len(rows),
                 "chain_accepted_length": total[0] / total[1] if total[1] else None,
-                "chains": int(total[1]),
+                "cycles": int(total[1]),
             }
     return report
 
 
 def format_report(report: dict[str, Any]) -> str:
-    lines = ["| shortlister | slice | mean size | mean recall | simulated chain accepted length | "
+    lines = ["| shortlister | slice | mean size | mean recall | replayed accepted length | "
              "recall per depth |", "|---|---|---|---|---|---|"]
     for name, per_slice in report.items():
         for sl_name, f in per_slice.items():
