@@ -449,7 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     es = sub.add_parser("eval-shortlist", help="offline shortlist recall per depth against size (dev)",
                         description="Recall of the target's next token in each stack's shortlist, per draft "
-                        "depth and slice, on dev shards (collected with --split dev); table, JSON and PNG.")
+                        "depth and slice, on dev shards (collected with --split dev), and the accepted length "
+                        "of greedy chain decoding replayed offline with the drafter's favourite inside each "
+                        "shortlist; table, JSON and PNG.")
     es.add_argument("--stacks", nargs="+", required=True, help="stacks whose shortlister/scheduler to evaluate")
     es.add_argument("--work", required=True, nargs="+", help="dev shard folders")
     es.add_argument("--depth", type=int, default=6)
