@@ -92,15 +92,14 @@ def evaluate_shortlisters(shards: Sequence[Path], target, drafter: Drafter, conf
                         sl = shortlister.propose(step, scheduler)
                         if isinstance(sl, list):
                             sl = sl[0]
+                        # the full-vocabulary favourite wins inside any shortlist that holds it
+                        draft = best[row]
                         if sl.token_ids is None:
                             hits.append(1.0)
                             sizes.append(float(target.vocab_size))
-                            draft = best[row]
                         else:
                             hits.append(float(bool((sl.token_ids == nxt[row]).any())))
                             sizes.append(float(sl.token_ids.numel()))
-                            # the full-vocabulary favourite wins inside any shortlist that holds it
-                            draft = best[row]
                             if not bool((sl.token_ids == draft).any()):
                                 draft = sl.token_ids[F.linear(out[row], weight[sl.token_ids]).argmax()]
                         correct[name][t, row] = bool(draft == nxt[row])

@@ -22,9 +22,9 @@ from dynaspec.registry import Component
 
 
 class ConfidenceBudget:
-    def __init__(self, k_max: int, k_min: int, mass: float | tuple[float, ...]) -> None:
+    def __init__(self, k_max: int, k_min: int, masses: list[float]) -> None:
         self.k_max, self.k_min = k_max, k_min
-        self.masses = tuple(mass) if isinstance(mass, (tuple, list)) else (mass,)
+        self.masses = tuple(masses)  # one per depth; the last serves every deeper step
 
     @property
     def mass(self) -> float | tuple[float, ...]:
@@ -60,8 +60,7 @@ def _confidence(params, ctx):
                              for m in masses):
         raise ConfigError(f"scheduler.mass = {mass!r} is invalid: must be a number (or a list of "
                           "numbers, one per draft depth) with 0 < mass <= 1")
-    masses = [float(m) for m in masses]
-    return ConfidenceBudget(k_max, k_min, masses if isinstance(mass, list) else masses[0])
+    return ConfidenceBudget(k_max, k_min, [float(m) for m in masses])
 
 
 @hookimpl

@@ -171,18 +171,19 @@ def _hybrid(params: dict, ctx: BuildContext) -> DynaSpecShortlister:
     return _dynaspec(params, inner, core_sha=core_digest(ranked[:core]))
 
 
-def core_digest(core_ids: torch.Tensor) -> str:
-    """Identity of an always-on frequency core (its token set), recorded by a core-aware router."""
+def _int32_digest(values: torch.Tensor) -> str:
     import hashlib
 
-    ids = torch.sort(core_ids.to(torch.int64)).values.to(torch.int32).contiguous()
-    return hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]
+    return hashlib.sha256(values.to(torch.int32).contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def core_digest(core_ids: torch.Tensor) -> str:
+    """Identity of an always-on frequency core (its token set), recorded by a core-aware router."""
+    return _int32_digest(torch.sort(core_ids.to(torch.int64)).values)
 
 
 def cluster_digest(assignment: torch.Tensor) -> str:
-    import hashlib
-
-    return hashlib.sha256(assignment.to(torch.int32).contiguous().numpy().tobytes()).hexdigest()[:16]
+    return _int32_digest(assignment)
 
 
 @hookimpl

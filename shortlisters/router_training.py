@@ -39,6 +39,7 @@ def router_examples(shard: dict[str, torch.Tensor], embed, assignment: torch.Ten
     teacher = shard.get("teacher")  # raw-text shards: the target's greedy next token everywhere
     offs = shard["offsets"].tolist()
     embs, prevs, labels = [], [], []
+    core_label = int(assignment.max()) + 1  # the class after the last cluster
     for k, plen in enumerate(shard["prompt_lens"].tolist()):
         a, b = offs[k], offs[k + 1]
         seq, f = tokens[a:b], feats[a:b].float()
@@ -56,7 +57,7 @@ def router_examples(shard: dict[str, torch.Tensor], embed, assignment: torch.Ten
             variants.append(pred[p - 2].float())
         label = assignment[nxt].long()
         if in_core is not None:
-            label = torch.where(in_core[nxt], int(assignment.max()) + 1, label)
+            label = torch.where(in_core[nxt], core_label, label)
         for prev in variants:
             embs.append(e[p])
             prevs.append(prev)
