@@ -241,7 +241,7 @@ class Engine:
             # the drafter consumes (x_p, f_{p-1}) for the positions it has not seen yet
             fresh = slice(dcache.length + 1, root_pos + 1)
             tree = self._draft(torch.tensor(tokens[fresh]), features[dcache.length:root_pos],
-                               root_pos, dcache, params, verifier, generator, stats)
+                               root_pos, dcache, params, verifier, generator, stats, torch.tensor(tokens))
             with stats.timed("verify"):
                 positions = torch.tensor([root_pos + 1 + d for d in tree.depths])
                 hidden = target.forward(torch.tensor(tree.tokens), positions, cache,
@@ -258,7 +258,7 @@ class Engine:
             yield chunk
 
     def _draft(self, fresh_tokens, fresh_features, root_pos, dcache, params, verifier, generator,
-               stats) -> DraftTree:
+               stats, context) -> DraftTree:
         """Grow the draft tree below the root (the last committed token)."""
         cfg, target, drafter = self.stack.draft, self.target, self.drafter
         dtype = drafter.fc.weight.dtype
@@ -267,7 +267,7 @@ class Engine:
         feats = fresh_features.to(dtype)
         positions = torch.arange(root_pos - len(fresh_tokens) + 1, root_pos + 1)
         step = DraftStep(depth=0, tokens=fresh_tokens[-1:], token_embeddings=emb[-1:],
-                         prev_hidden=feats[-1:])
+                         prev_hidden=feats[-1:], context=context)
         routing = self._start_routing(step)
         with stats.timed("draft_core"):
             out = drafter(emb[None], feats[None], positions[None], cache=dcache)[0][-1:]
@@ -319,7 +319,8 @@ class Engine:
                 slots[node] = start + row
                 mask[row, start + row] = True
             positions = torch.full((1, len(frontier)), root_pos + 1 + depth)
-            step = DraftStep(depth=depth + 1, tokens=toks, token_embeddings=emb, prev_hidden=feats)
+            step = DraftStep(depth=depth + 1, tokens=toks, token_embeddings=emb, prev_hidden=feats,
+                             context=context)
             routing = self._start_routing(step)
             with stats.timed("draft_core"):
                 out = drafter(emb[None], feats[None], positions, cache=dcache, mask=mask)[0]

@@ -84,8 +84,9 @@ def evaluate_shortlisters(shards: Sequence[Path], target, drafter: Drafter, conf
                 best = torch.cat([F.linear(c, weight).argmax(-1) for c in out.split(256)])
                 # one row per step, as in a chain: a shortlister given several rows returns their
                 # union (what a tree frontier needs), which is not one position's shortlist
-                steps = [DraftStep(depth=t, tokens=seq[q], token_embeddings=emb[q], prev_hidden=levels[t][q - 1])
-                         for q in p.split(1)]
+                # the context is what decoding has committed: up to the cycle's root, t tokens back
+                steps = [DraftStep(depth=t, tokens=seq[q], token_embeddings=emb[q], prev_hidden=levels[t][q - 1],
+                                   context=seq[: max(int(q) - t + 1, 1)]) for q in p.split(1)]
                 for name, (shortlister, scheduler) in configs.items():
                     hits, sizes = [], []
                     for row, step in enumerate(steps):

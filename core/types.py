@@ -19,9 +19,10 @@ class Shortlist:
     ``token_ids`` is a 1-D ``LongTensor`` of vocabulary ids, or ``None`` for the full vocabulary.
     Column ``j`` of the draft logits belongs to ``token_ids[j]``.
 
-    ``spans`` optionally describes the same set as contiguous ``[start, end)`` ranges of rows in a
+    ``spans`` optionally describes the set as contiguous ``[start, end)`` ranges of rows in a
     permuted LM-head layout (``BuildContext.head_layout``), so that a blocked backend can multiply
-    slices without a gather; ``token_ids`` then lists the ids in that span order.
+    slices without a gather; ``token_ids`` then lists the ids in that span order, optionally followed
+    by a *tail* of scattered ids (those past the spans' total length) that a backend gathers.
     """
 
     token_ids: torch.Tensor | None = None
@@ -36,6 +37,11 @@ class Shortlist:
     def is_full(self) -> bool:
         return self.token_ids is None
 
+    @property
+    def span_length(self) -> int:
+        """How many leading ``token_ids`` the spans cover (the rest is the gathered tail)."""
+        return sum(b - a for a, b in self.spans) if self.spans is not None else 0
+
     def size(self, vocab_size: int) -> int:
         """Number of candidate tokens."""
         return vocab_size if self.token_ids is None else int(self.token_ids.numel())
@@ -47,12 +53,15 @@ class DraftStep:
 
     ``token_embeddings`` is ``E(x_t)`` and ``prev_hidden`` is ``H~_{t-1}``: exactly the pair the
     drafter consumes at this step, so a router can run beside the draft decoder layer.
+    ``context`` holds the committed token ids (prompt and output so far, the root last), the same
+    for every row; a shortlister may add tokens seen there (text tends to repeat its own words).
     """
 
     depth: int
     tokens: torch.Tensor  # [R] token ids x_t
     token_embeddings: torch.Tensor  # [R, d]
     prev_hidden: torch.Tensor  # [R, d]
+    context: torch.Tensor | None = None  # [n] committed token ids, or None where unknown
 
 
 @attrs.define

@@ -1,6 +1,7 @@
 """The ``torch-blocked`` draft-head backend: the LM-head rows are permuted once, at assembly, into
 the shortlister's head layout (clusters, or a frequency ranking, made contiguous), so a shortlist of
-whole clusters is a few contiguous slices multiplied in place — no gather copy of the rows."""
+whole clusters is a few contiguous slices multiplied in place — no gather copy of the rows. A
+shortlist's scattered tail (e.g. tokens seen in the context) is gathered from the unpermuted head."""
 
 from __future__ import annotations
 
@@ -31,11 +32,15 @@ class BlockedBackend(TorchBackend):
             return super().logits(hidden, shortlist)
         self.calls += 1
         hidden = hidden.to(self.weight.dtype)
-        if len(shortlist.spans) == 1:
-            a, b = shortlist.spans[0]
-            return F.linear(hidden, self.blocked[a:b]).float()
+        parts = [F.linear(hidden, self.blocked[a:b]) for a, b in shortlist.spans]
+        covered = shortlist.span_length
+        if shortlist.token_ids.numel() > covered:  # a tail of scattered ids: gathered
+            tail = shortlist.token_ids[covered:].to(self.weight.device)
+            parts.append(F.linear(hidden, self.weight.index_select(0, tail)))
+        if len(parts) == 1:
+            return parts[0].float()
         # logits are R x n floats: concatenating them costs nothing next to reading the rows
-        return torch.cat([F.linear(hidden, self.blocked[a:b]) for a, b in shortlist.spans], dim=1).float()
+        return torch.cat(parts, dim=1).float()
 
 
 def _blocked(params: dict, ctx: BuildContext) -> BlockedBackend:

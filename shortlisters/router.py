@@ -4,6 +4,10 @@ The router ``r([E(x_t), H~_{t-1}]) -> R^M`` scores the vocabulary clusters from 
 drafter consumes at a draft step (so it can run beside the draft decoder layer). The shortlist at
 depth ``t`` is the union of the top ``k_c(t)`` clusters (``k_c`` from the scheduler), plus the
 special tokens, which always form a span of their own at the front of the head layout.
+
+With ``context = N`` the shortlist also holds the distinct tokens of the last ``N`` committed tokens
+that the chosen clusters miss (names, code identifiers and words of the prompt's language recur in a
+conversation): a small tail of scattered ids after the cluster spans.
 """
 
 from __future__ import annotations
@@ -85,9 +89,23 @@ class ClusterLayout:
         self.sizes = sizes
         self.members = [self.order[self.offsets[m]:self.offsets[m + 1]] for m in range(clusters)]
         self.special = special_t
+        #: cluster of every token; the always-on tokens get the extra index ``clusters``
+        self.cluster_of = assignment
+        self.cluster_of[special_t] = clusters
+        self.clusters = clusters
 
-    def shortlist(self, selected: list[int]) -> Shortlist:
-        """Union of the selected clusters and the special tokens, with merged layout spans."""
+    def missing(self, tokens: torch.Tensor, selected: list[int]) -> torch.Tensor:
+        """The distinct ``tokens`` outside the always-on tokens and the ``selected`` clusters."""
+        tokens = torch.unique(tokens.long())
+        on = torch.zeros(self.clusters + 1, dtype=torch.bool)
+        on[self.clusters] = True
+        if selected:
+            on[torch.tensor(selected, dtype=torch.long)] = True
+        return tokens[~on[self.cluster_of[tokens]]]
+
+    def shortlist(self, selected: list[int], context: torch.Tensor | None = None) -> Shortlist:
+        """Union of the selected clusters and the special tokens, with merged layout spans, plus the
+        ``context`` tokens they miss as a gathered tail."""
         selected = sorted(set(selected))
         spans: list[list[int]] = [[0, self.n_special]] if self.n_special else []
         for m in selected:
@@ -98,18 +116,24 @@ class ClusterLayout:
                 spans[-1][1] = b
             else:
                 spans.append([a, b])
-        ids = torch.cat([self.special, *[self.members[m] for m in selected]]) if selected else self.special
+        parts = [self.special, *[self.members[m] for m in selected]]
+        if context is not None and context.numel():
+            parts.append(self.missing(context, selected))
+        ids = torch.cat(parts) if len(parts) > 1 else self.special
         return Shortlist(ids, spans=tuple((a, b) for a, b in spans))
 
 
 class DynaSpecShortlister:
     """Routes each draft step to the top ``k_c(t)`` vocabulary clusters."""
 
-    def __init__(self, router: Router, layout: ClusterLayout, *, per_row: bool = False) -> None:
+    def __init__(self, router: Router, layout: ClusterLayout, *, per_row: bool = False,
+                 context: int = 0) -> None:
         self.router = router
         self.layout = layout
         self.head_layout = layout.order
         self.per_row = per_row
+        #: how many of the last committed tokens join the shortlist (0: none)
+        self.context = context
         #: index of the router's "always-on core" output (a core-aware router), else None
         self.core_index = router.cfg.clusters if router.cfg.core_class else None
 
@@ -121,18 +145,23 @@ class DynaSpecShortlister:
         k = max(1, min(int(scheduler.budget(depth=step.depth, scores=scores)), scores.shape[-1]))
         top = scores.topk(k, dim=-1).indices
         rows = [[m for m in row.tolist() if m != self.core_index] for row in top]
+        recent = step.context[-self.context:] if self.context and step.context is not None else None
         if self.per_row:
-            return [self.layout.shortlist(row) for row in rows]
-        return self.layout.shortlist([m for row in rows for m in row])
+            return [self.layout.shortlist(row, recent) for row in rows]
+        return self.layout.shortlist([m for row in rows for m in row], recent)
 
 
 def _dynaspec(params: dict, ctx: BuildContext, core_sha: str | None = None) -> DynaSpecShortlister:
     params = dict(params)
     clusters_path, router_path = params.pop("clusters", None), params.pop("router", None)
     per_row = bool(params.pop("per_row", False))
+    context = params.pop("context", 0)
     if params:
         raise ConfigError(f"shortlister 'dynaspec' has no parameter(s) {sorted(params)}; "
-                          "it takes 'clusters', 'router' and 'per_row'")
+                          "it takes 'clusters', 'router', 'per_row' and 'context'")
+    if not isinstance(context, int) or isinstance(context, bool) or context < 0:
+        raise ConfigError(f"shortlister.context = {context!r} is invalid: must be an integer >= 0 "
+                          "(how many of the last committed tokens join the shortlist)")
     if not clusters_path or not router_path:
         raise ConfigError("shortlister 'dynaspec' needs 'clusters' and 'router' artifacts "
                           "(see `dynaspec build-clusters` and `dynaspec train-router`)")
@@ -151,7 +180,7 @@ def _dynaspec(params: dict, ctx: BuildContext, core_sha: str | None = None) -> D
                           f"{trained}; use it with shortlister 'hybrid' and that same 'frequency' list "
                           "and 'core' size")
     layout = ClusterLayout(data["assignment"], m, ctx.special_token_ids)
-    return DynaSpecShortlister(router, layout, per_row=per_row)
+    return DynaSpecShortlister(router, layout, per_row=per_row, context=context)
 
 
 def _hybrid(params: dict, ctx: BuildContext) -> DynaSpecShortlister:

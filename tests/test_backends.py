@@ -29,6 +29,8 @@ def _shortlists(layout):
     yield layout.shortlist([0, 1, 2])  # adjacent clusters: one merged span
     yield layout.shortlist([1, 4, 8])
     yield Shortlist(torch.tensor([7, 3, 150]))  # ids without spans
+    yield layout.shortlist([1, 4], context=torch.tensor([150, 7, 3, 7, 0, 99]))  # spans + gathered tail
+    yield layout.shortlist([], context=torch.tensor([42]))  # the specials' span + a one-id tail
 
 
 @pytest.mark.parametrize("rows", [1, 7])
@@ -42,7 +44,7 @@ def test_blocked_matches_torch(setup, rows):
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert torch.allclose(a, b, atol=tol, rtol=tol)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
-    assert blocked.calls == ref.calls == 6
+    assert blocked.calls == ref.calls == 8
 
 
 def test_blocked_without_layout_gathers(setup):

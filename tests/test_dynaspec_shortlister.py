@@ -50,6 +50,23 @@ def test_layout_spans_and_special_tokens():
     assert sl2.spans == ((0, 1), (7, 8)) and sorted(sl2.token_ids.tolist()) == [0, 4]
 
 
+def test_context_tokens_join_the_shortlist_once():
+    """The context tokens the chosen clusters and the always-on tokens miss form a tail after the
+    spans: each id once, the spans unchanged."""
+    assignment = torch.tensor([2, 0, 1, 0, 2, 1, 1, 0, 2, 1])
+    layout = ClusterLayout(assignment, 3, special=(4,))
+    plain = layout.shortlist([0])
+    sl = layout.shortlist([0], context=torch.tensor([9, 4, 3, 0, 9, 2, 1]))
+    # cluster 0 = {1, 3, 7}, special {4}; from the context 9, 0 and 2 are missing (each once)
+    assert sl.spans == plain.spans and sl.span_length == plain.token_ids.numel() == 4
+    assert sl.token_ids[:4].tolist() == plain.token_ids.tolist()
+    assert sorted(sl.token_ids[4:].tolist()) == [0, 2, 9]
+    assert len(set(sl.token_ids.tolist())) == sl.token_ids.numel() == 7
+    assert layout.shortlist([0, 1, 2], context=torch.tensor([0, 5, 9])).token_ids.numel() == 10
+    assert torch.equal(layout.shortlist([2], context=torch.tensor([], dtype=torch.long)).token_ids,
+                       layout.shortlist([2]).token_ids)
+
+
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
     """Clusters + router for the tiny Llama target, from collected tiny shards."""
@@ -205,6 +222,27 @@ def test_hybrid_stack_is_exact_and_keeps_its_core(artifacts, tmp_path):
     assert engine.generate(prompt, max_new_tokens=20).token_ids == reference_greedy("llama", prompt, 20)
     sl = engine.shortlister.layout.shortlist([])
     assert set(range(10)) <= set(sl.token_ids.tolist())
+
+
+@pytest.mark.parametrize("draft", [{"mode": "chain", "depth": 5},
+                                   {"mode": "tree", "depth": 4, "topk": 3, "total_tokens": 10}])
+def test_context_tokens_in_the_shortlist_keep_greedy_exact(artifacts, draft):
+    root, _ = artifacts
+    stacks = {}
+    for context in (0, 16):
+        stacks[context] = make_engine("llama", trained_drafter("llama"), builtin_registry(), shortlister={
+            "name": "dynaspec", "clusters": str(root / "clusters"), "router": str(root / "router"),
+            "context": context}, scheduler={"name": "fixed", "budget": 1}, draft=draft)
+    for prompt in ([5, 6, 7, 8], [30, 31, 9]):
+        ref = reference_greedy("llama", prompt, 30)
+        with_ctx, without = (stacks[c].generate(prompt, max_new_tokens=30) for c in (16, 0))
+        assert with_ctx.token_ids == without.token_ids == ref
+        # the context adds tokens (the prompt's, at least) that one cluster does not hold
+        assert with_ctx.stats.mean_shortlist_size > without.stats.mean_shortlist_size
+    with pytest.raises(ConfigError, match="context = -1 is invalid"):
+        make_engine("llama", trained_drafter("llama"), builtin_registry(), shortlister={
+            "name": "dynaspec", "clusters": str(root / "clusters"), "router": str(root / "router"),
+            "context": -1})
 
 
 def test_eval_shortlist_cli_reads_several_shard_folders(artifacts, tmp_path, monkeypatch):

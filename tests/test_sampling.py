@@ -101,6 +101,34 @@ def test_sampling_keeps_target_distribution(small, name, fields, params):
     assert 0.5 * np.abs(c2 / SAMPLES - p2).sum() < 0.06
 
 
+def test_sampling_with_context_tokens_in_the_shortlist_keeps_target_distribution(small, tmp_path):
+    """A routed shortlist of one 3-token cluster plus the context tokens it misses (a gathered tail
+    after the cluster spans): drafts come from ever-changing, partial shortlists, and the samples
+    still follow the target's distribution."""
+    from dynaspec.shortlisters.clusters import save_clusters
+    from dynaspec.shortlisters.router import Router, RouterConfig
+
+    tgt = small[0]
+    assignment = torch.arange(VOCAB) % 4
+    save_clusters(tmp_path / "clusters", assignment, torch.eye(4, tgt.hidden_size),
+                  {"target": tgt.fingerprint()})
+    torch.manual_seed(3)
+    Router(RouterConfig(tgt.hidden_size, 16, 4)).save(tmp_path / "router", {"target": tgt.fingerprint()})
+    params = DecodeParams(1.0, 1.0)
+    engine = _engine(small, builtin_registry(), draft={"mode": "tree", "depth": 3, "topk": 3, "total_tokens": 9},
+                     shortlister={"name": "dynaspec", "clusters": str(tmp_path / "clusters"),
+                                  "router": str(tmp_path / "router"), "context": 2},
+                     scheduler={"name": "fixed", "budget": 1}, backend="torch-blocked")
+    p2, p3 = exact_marginals(tgt, params)
+    c2, c3 = sample_counts(engine, params)
+    assert chi2_pvalue(c2, p2) > 1e-3 and chi2_pvalue(c3, p3) > 1e-3
+    assert 0.5 * np.abs(c2 / SAMPLES - p2).sum() < 0.06
+    # the shortlists really were partial and really had a tail (one special + 3 tokens per cluster)
+    sizes = [n for seed in range(20) for per_depth in engine.generate(
+        PROMPT, max_new_tokens=3, temperature=1.0, seed=seed).stats.shortlist_sizes.values() for n in per_depth]
+    assert max(sizes) < VOCAB and any(n % 3 != 1 for n in sizes)
+
+
 class AcceptAlways(SamplingVerifier):
     """A broken verifier: accepts every drafted token (outputs the draft distribution)."""
 
