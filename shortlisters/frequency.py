@@ -39,9 +39,11 @@ def load_frequency(path: str | Path, fingerprint: dict[str, Any] | None) -> tupl
 
 
 class FrequencyShortlister:
-    """The top-``budget`` tokens of a frequency ranking (special tokens first)."""
+    """The top-``budget`` tokens of a frequency ranking (special tokens first); with ``context = N``,
+    plus the distinct tokens of the last ``N`` committed tokens ranked below the budget (a tail)."""
 
-    def __init__(self, ranked: torch.Tensor, special: tuple[int, ...], vocab_size: int) -> None:
+    def __init__(self, ranked: torch.Tensor, special: tuple[int, ...], vocab_size: int, *,
+                 context: int = 0) -> None:
         seen = set(special)
         rest = [int(t) for t in ranked.tolist() if int(t) not in seen]
         # tokens never seen in the corpus still get a place after the counted ones
@@ -51,6 +53,9 @@ class FrequencyShortlister:
         self.ranking = torch.cat([order, missing.nonzero().flatten()])
         #: the ranking as a head layout: every shortlist is the span [0, budget)
         self.head_layout = self.ranking
+        self.rank_of = torch.empty_like(self.ranking)
+        self.rank_of[self.ranking] = torch.arange(self.ranking.numel())
+        self.context = context
         self._cache: dict[int, Shortlist] = {}
 
     def shortlist(self, budget: int) -> Shortlist:
@@ -60,18 +65,27 @@ class FrequencyShortlister:
         return self._cache[budget]
 
     def propose(self, step, scheduler) -> Shortlist:
-        return self.shortlist(scheduler.budget(depth=step.depth))
+        top = self.shortlist(scheduler.budget(depth=step.depth))
+        if not self.context or step.context is None or not step.context.numel():
+            return top
+        seen = torch.unique(step.context[-self.context:].long())
+        tail = seen[self.rank_of[seen] >= top.span_length]
+        return Shortlist(torch.cat([top.token_ids, tail]), spans=top.spans) if tail.numel() else top
 
 
 def _frequency(params: dict, ctx: BuildContext) -> FrequencyShortlister:
     params = dict(params)
-    path = params.pop("path", None)
+    path, context = params.pop("path", None), params.pop("context", 0)
     if params:
-        raise ConfigError(f"shortlister 'frequency' has no parameter(s) {sorted(params)}; it takes 'path'")
+        raise ConfigError(f"shortlister 'frequency' has no parameter(s) {sorted(params)}; "
+                          "it takes 'path' and 'context'")
+    if not isinstance(context, int) or isinstance(context, bool) or context < 0:
+        raise ConfigError(f"shortlister.context = {context!r} is invalid: must be an integer >= 0 "
+                          "(how many of the last committed tokens join the shortlist)")
     if not path:
         raise ConfigError("shortlister 'frequency' needs 'path': a frequency list (see `dynaspec build-frequency`)")
     ranked, _ = load_frequency(ctx.resolve_artifact(str(path)), dict(ctx.target_fingerprint))
-    return FrequencyShortlister(ranked, ctx.special_token_ids, ctx.vocab_size)
+    return FrequencyShortlister(ranked, ctx.special_token_ids, ctx.vocab_size, context=context)
 
 
 @hookimpl
