@@ -37,7 +37,8 @@ def test_shipped_artifacts_refuse_another_target():
 
 
 SHORTLISTING_STACKS = ["fr-spec", "fr-spec-pa", "dynaspec-fixed", "dynaspec", "dynaspec-hybrid",
-                       "dynaspec-confidence", "dynaspec-hybrid-confidence"]
+                       "dynaspec-confidence", "dynaspec-hybrid-confidence", "dynaspec-context",
+                       "dynaspec-hybrid-context"]
 
 
 @pytest.mark.parametrize("stack", SHORTLISTING_STACKS)
