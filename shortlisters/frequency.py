@@ -73,15 +73,21 @@ class FrequencyShortlister:
         return Shortlist(torch.cat([top.token_ids, tail]), spans=top.spans) if tail.numel() else top
 
 
-def _frequency(params: dict, ctx: BuildContext) -> FrequencyShortlister:
-    params = dict(params)
-    path, context = params.pop("path", None), params.pop("context", 0)
-    if params:
-        raise ConfigError(f"shortlister 'frequency' has no parameter(s) {sorted(params)}; "
-                          "it takes 'path' and 'context'")
+def pop_context(params: dict) -> int:
+    """Take and check a shortlister's ``context`` parameter (0, the default, adds nothing)."""
+    context = params.pop("context", 0)
     if not isinstance(context, int) or isinstance(context, bool) or context < 0:
         raise ConfigError(f"shortlister.context = {context!r} is invalid: must be an integer >= 0 "
                           "(how many of the last committed tokens join the shortlist)")
+    return context
+
+
+def _frequency(params: dict, ctx: BuildContext) -> FrequencyShortlister:
+    params = dict(params)
+    path, context = params.pop("path", None), pop_context(params)
+    if params:
+        raise ConfigError(f"shortlister 'frequency' has no parameter(s) {sorted(params)}; "
+                          "it takes 'path' and 'context'")
     if not path:
         raise ConfigError("shortlister 'frequency' needs 'path': a frequency list (see `dynaspec build-frequency`)")
     ranked, _ = load_frequency(ctx.resolve_artifact(str(path)), dict(ctx.target_fingerprint))

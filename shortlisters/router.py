@@ -28,6 +28,7 @@ from dynaspec.registry import Component
 from dynaspec.types import BuildContext, DraftStep, Shortlist
 
 from .clusters import load_clusters
+from .frequency import load_frequency, pop_context
 
 FORMAT = "dynaspec-router/1"
 FILE = "router.safetensors"
@@ -155,13 +156,10 @@ def _dynaspec(params: dict, ctx: BuildContext, core_sha: str | None = None) -> D
     params = dict(params)
     clusters_path, router_path = params.pop("clusters", None), params.pop("router", None)
     per_row = bool(params.pop("per_row", False))
-    context = params.pop("context", 0)
+    context = pop_context(params)
     if params:
         raise ConfigError(f"shortlister 'dynaspec' has no parameter(s) {sorted(params)}; "
                           "it takes 'clusters', 'router', 'per_row' and 'context'")
-    if not isinstance(context, int) or isinstance(context, bool) or context < 0:
-        raise ConfigError(f"shortlister.context = {context!r} is invalid: must be an integer >= 0 "
-                          "(how many of the last committed tokens join the shortlist)")
     if not clusters_path or not router_path:
         raise ConfigError("shortlister 'dynaspec' needs 'clusters' and 'router' artifacts "
                           "(see `dynaspec build-clusters` and `dynaspec train-router`)")
@@ -185,8 +183,6 @@ def _dynaspec(params: dict, ctx: BuildContext, core_sha: str | None = None) -> D
 
 def _hybrid(params: dict, ctx: BuildContext) -> DynaSpecShortlister:
     """The routed clusters united with an always-on core of the most frequent tokens."""
-    from .frequency import load_frequency
-
     params = dict(params)
     core_path, core = params.pop("frequency", None), params.pop("core", 2048)
     if not core_path:
