@@ -225,23 +225,27 @@ class Engine:
 
     @torch.inference_mode()
     def _speculate(self, ids, max_new, params, verifier, generator, stats) -> Iterator[list[int]]:
-        """Speculative decoding. Invariant at the top of each cycle: ``tokens`` are committed, the
-        target's cache holds all but the last of them (the root), ``features[p]`` is the target's
-        feature at position p, and the drafter's cache holds positions 1..``dcache.length``."""
+        """Speculative decoding. Invariant at the top of each cycle: ``tokens[:n_tokens]`` are
+        committed, the target's cache holds all but the last of them (the root), ``features[p]`` is the
+        target's feature at position p, and the drafter's cache holds positions 1..``dcache.length``."""
         target, cache, dcache = self.target, self.target.new_cache(), DraftCache()
         with stats.timed("prefill"):
             features = target.forward(torch.tensor(ids), torch.arange(len(ids)), cache)
             first = verifier.first_token(target.logits(features[-1:])[0], params, generator)
-        tokens = [*ids, first]
+        # the committed tokens, written once each: prompt, output, and one cycle's overshoot of max_new
+        tokens = torch.empty(len(ids) + max_new + self.stack.draft.depth + 2, dtype=torch.long)
+        tokens[:len(ids)] = torch.tensor(ids)
+        tokens[len(ids)] = first
+        n_tokens = len(ids) + 1
         chunk, done = self._finish([first], 0, max_new)
         produced = len(chunk)
         yield chunk
         while not done:
-            root_pos = len(tokens) - 1
+            root_pos = n_tokens - 1
             # the drafter consumes (x_p, f_{p-1}) for the positions it has not seen yet
             fresh = slice(dcache.length + 1, root_pos + 1)
-            tree = self._draft(torch.tensor(tokens[fresh]), features[dcache.length:root_pos],
-                               root_pos, dcache, params, verifier, generator, stats, torch.tensor(tokens))
+            tree = self._draft(tokens[fresh], features[dcache.length:root_pos], root_pos, dcache, params,
+                               verifier, generator, stats, tokens[:n_tokens])
             with stats.timed("verify"):
                 positions = torch.tensor([root_pos + 1 + d for d in tree.depths])
                 hidden = target.forward(torch.tensor(tree.tokens), positions, cache,
@@ -251,7 +255,8 @@ class Engine:
                 target.keep(cache, root_pos, keep)
             features = torch.cat([features, hidden[keep]])
             committed = [tree.tokens[n] for n in path] + [bonus]
-            tokens.extend(committed)
+            tokens[n_tokens:n_tokens + len(committed)] = torch.tensor(committed)
+            n_tokens += len(committed)
             chunk, done = self._finish(committed, produced, max_new)
             stats.accepted_lengths.append(len(chunk))  # what this cycle added to the output
             produced += len(chunk)
