@@ -132,11 +132,7 @@ def draft_step_breakdown(stack_refs: Sequence[str], prompts: Sequence[str], *, m
     from .data import format_prompt
     from .engine import Engine
 
-    engines, target, drafter = [], None, None
-    for ref in stack_refs:
-        engine = Engine.from_stack(ref, target=target, drafter=drafter, overrides=overrides)
-        target, drafter = engine.target, engine.drafter or drafter
-        engines.append(engine)
+    engines = Engine.from_stacks(stack_refs, overrides=overrides)
     totals = {e.stack.name: {"steps": 0, "times": dict.fromkeys(STEP_KEYS, 0.0), "sizes": [], "mal": []}
               for e in engines}
     for prompt in prompts:

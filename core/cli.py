@@ -31,6 +31,9 @@ def _parse_value(text: str) -> Any:
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    for field in ("dtype", "device"):
+        if getattr(args, field, None):
+            out[field] = getattr(args, field)
     for item in getattr(args, "set", None) or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -147,6 +150,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
                           overrides=_overrides(args), part=(int(k), int(n or 1)), split=args.split,
                           train_offset=args.train_offset, slice_name=args.slice)
     print(format_table(report))
+    if "cost" in report:
+        from .cost_model import format_cost_table
+
+        machine = report["machine"]
+        print()
+        print(format_cost_table(report["cost"], bandwidth=machine["read_bandwidth"],
+                                weights=max(machine["weight_bytes"].values())))
     if args.json_out:
         atomic_write(Path(args.json_out), lambda p: Path(p).write_text(json.dumps(report, indent=2)))
     exact = all(f["exact"] for per in report["stacks"].values() for f in per.values())
@@ -244,8 +254,8 @@ def cmd_eval_shortlist(args: argparse.Namespace) -> int:
     from .shortlist_eval import evaluate_shortlisters, format_report, plot_report
 
     configs, target, drafter = {}, None, None
-    for ref in args.stacks:
-        engine = Engine.from_stack(ref, target=target, drafter=drafter)
+    # offline analysis of the shortlists: float32 throughout, whatever the stacks run in
+    for engine in Engine.from_stacks(args.stacks, overrides={"dtype": "float32"}):
         target, drafter = engine.target, engine.drafter or drafter
         configs[engine.stack.name] = (engine.shortlister, engine.scheduler)
     shards = [p for folder in args.work for p in sorted(Path(folder).glob("shard-*.safetensors"))]
@@ -303,7 +313,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         questions += parse_questions(path)
     questions = select(questions, args.limit_per_category)
     results = run(args.stacks, questions, Path(args.out), max_new_tokens=args.max_new_tokens,
-                  temperature=args.temperature, seed=args.seed)
+                  temperature=args.temperature, seed=args.seed, overrides=_overrides(args))
     print(markdown(results))
     if not results["exact"]:
         print("dynaspec: error: a greedy stack's output differs from the baseline's", file=sys.stderr)
@@ -314,6 +324,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _add_threads(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads (0 = torch's default); 1 suits a shared machine")
+
+
+def _add_placement(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=None, metavar="DEVICE",
+                        help="cpu, cuda or cuda:N for the target, the drafter and every tensor of the "
+                        "engine (default: the stack's `device`, cpu for the built-in stacks)")
+    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
+                        help="the target's dtype (default: the stack's `dtype`; auto = bfloat16 where the "
+                        "hardware computes it natively, else float32); the baseline it is compared with "
+                        "always runs in the same dtype")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -333,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling")
     gen.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a stack field")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text and statistics")
+    _add_placement(gen)
     _add_threads(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -396,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json-out", metavar="FILE", help="write the full report as JSON")
     ev.add_argument("--part", metavar="K/N", help="run only prompts K, K+N, ... (parallel processes)")
     ev.add_argument("--merge", nargs="+", metavar="JSON", help="merge the JSON reports of parts and print")
+    _add_placement(ev)
     _add_threads(ev)
     ev.set_defaults(func=cmd_eval)
 
@@ -493,7 +515,10 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--limit-per-category", type=int, default=None, metavar="K")
     be.add_argument("--temperature", type=float, default=0.0)
     be.add_argument("--seed", type=int, default=0)
+    be.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                    help="override a field of every benchmarked stack (not the baseline)")
     be.add_argument("--out", required=True)
+    _add_placement(be)
     _add_threads(be)
     be.set_defaults(func=cmd_bench)
 

@@ -95,6 +95,13 @@ class DraftConfig:
     #: thread while the draft decoder layer runs, instead of after it. It pays only where a core is
     #: idle during the draft step (e.g. one torch thread per process on a multi-core machine).
     router_overlap: str = attrs.field(default="off")
+    #: Stop drafting deeper once the drafter's likeliest line (the product of its draft
+    #: probabilities from the root) falls below this; 0 always drafts ``depth`` steps.
+    min_confidence: float = attrs.field(default=0.0, converter=float)
+
+    @min_confidence.validator
+    def _min_confidence(self, _attribute, value):
+        _check("draft.min_confidence", 0.0 <= value < 1.0, value, "must satisfy 0 <= value < 1")
 
     @mode.validator
     def _mode(self, _attribute, value):
@@ -151,6 +158,28 @@ class StackConfig:
     draft: DraftConfig = attrs.field(factory=DraftConfig)
     decode: DecodeConfig = attrs.field(factory=DecodeConfig)
     description: str = ""
+    #: The target's (and drafter's) dtype: "float32", "bfloat16", or "auto": bfloat16 where the
+    #: hardware computes it natively (a CUDA GPU with bf16, a CPU with AVX512-BF16 or AMX) and the
+    #: output is verified bit for bit (plain decoding and chains), else float32 (see ``target_dtype``).
+    dtype: str = attrs.field(default="auto")
+    #: Where the target, the drafter and every tensor of the engine live: "cpu", "cuda", "cuda:1", ...
+    device: str = attrs.field(default="cpu")
+
+    @dtype.validator
+    def _dtype(self, _attribute, value):
+        _check("dtype", value in DTYPE_CHOICES, value, f"must be one of {', '.join(DTYPE_CHOICES)}")
+
+    @device.validator
+    def _device(self, _attribute, value):
+        _check("device", isinstance(value, str) and value.split(":")[0] in ("cpu", "cuda"), value,
+               "must be 'cpu' or 'cuda[:index]'")
+
+    @property
+    def exact_in_bfloat16(self) -> bool:
+        """Plain decoding and chains verify bit for bit against plain decoding in bfloat16 (see
+        :mod:`dynaspec.batch_invariance`); a tree's rows attend to scattered ancestors, which no
+        plain step lays out alike, so a tree is exact there only up to rounding."""
+        return self.drafter is None or self.draft.mode == "chain" or self.draft.topk == 1
 
     @property
     def speculative(self) -> bool:
@@ -175,6 +204,8 @@ class StackConfig:
             "verifier": self.verifier.to_dict(),
             "draft": attrs.asdict(self.draft),
             "decode": {k: v for k, v in attrs.asdict(self.decode).items() if v is not None},
+            "dtype": self.dtype,
+            "device": self.device,
         }
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> "StackConfig":
@@ -186,7 +217,8 @@ class StackConfig:
 
 
 _TOP_FIELDS = {"name", "description", "target", "drafter", "shortlister", "scheduler", "backend",
-               "verifier", "draft", "decode", "base"}
+               "verifier", "draft", "decode", "base", "dtype", "device"}
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 _COMPONENT_FIELDS = {"shortlister", "scheduler", "backend", "verifier"}
 
 
@@ -236,6 +268,7 @@ def stack_from_mapping(data: Mapping[str, Any], *, source: str = "stack") -> Sta
         name=data["name"], target=data["target"], drafter=drafter,
         description=str(data.get("description", "")),
         draft=draft, decode=decode,
+        **{k: data[k] for k in ("dtype", "device") if k in data},
         **{k: data[k] for k in _COMPONENT_FIELDS if k in data},
     )
 

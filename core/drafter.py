@@ -100,24 +100,33 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
 
 
 class DraftCache:
-    """KV cache of the drafter's one layer; ``crop`` drops speculative entries."""
+    """KV cache of the drafter's one layer, in buffers allocated once for ``capacity`` positions
+    (doubled if a caller goes beyond); ``crop`` drops speculative entries without copying."""
 
-    def __init__(self) -> None:
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.k is None else int(self.k.shape[-2])
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = max(int(capacity), 1)
+        self.length = 0
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=-2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=-2)
-        return self.k, self.v
+        """Write ``k``, ``v`` [B, H, T, D] after the cached entries; return views of all of them."""
+        end = self.length + k.shape[-2]
+        if self._k is None or end > self._k.shape[-2] or self._k.shape[:2] != k.shape[:2]:
+            size = max(end, self.capacity if self._k is None else 2 * self._k.shape[-2])
+            old_k, old_v = self._k, self._v
+            self._k = k.new_empty(*k.shape[:2], size, k.shape[-1])
+            self._v = v.new_empty(*v.shape[:2], size, v.shape[-1])
+            if old_k is not None and self.length:
+                self._k[:, :, :self.length] = old_k[:, :, :self.length]
+                self._v[:, :, :self.length] = old_v[:, :, :self.length]
+        self._k[:, :, self.length:end] = k
+        self._v[:, :, self.length:end] = v
+        self.length = end
+        return self._k[:, :, :end], self._v[:, :, :end]
 
     def crop(self, length: int) -> None:
-        if self.k is not None:
-            self.k, self.v = self.k[..., :length, :], self.v[..., :length, :]
+        self.length = min(self.length, int(length))
 
 
 class DecoderLayer(nn.Module):
@@ -216,7 +225,7 @@ class Drafter(nn.Module):
             check_drafter_shape(arch, target_fingerprint, what=f"drafter {directory}")
             check_fingerprint(config.get("target"), target_fingerprint, what=f"drafter {directory}")
         drafter = cls(arch, meta=config)
-        drafter.load_state_dict({k: v.to(dtype) for k, v in load_file(str(w_path)).items()})
+        drafter.load_state_dict({k: v.to(dtype) for k, v in load_file(str(w_path)).items()}, assign=True)
         return drafter.to(dtype).eval()
 
 

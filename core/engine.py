@@ -8,6 +8,7 @@ KV caches keep exactly the committed tokens.
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Mapping, Sequence
@@ -45,19 +46,31 @@ def _propose_without_grad(shortlister, step: DraftStep, scheduler):
         return shortlister.propose(step, scheduler)
 
 
-class RowLogits:
-    """Full-vocabulary target logits of tree nodes, computed on first access: verification walks
-    one path, so only the nodes it reaches pay for the (|V| x d) head product."""
+class PathLogits:
+    """Full-vocabulary target logits of tree nodes, computed in batches on first access.
 
-    def __init__(self, target, hidden: torch.Tensor) -> None:
-        self.target, self.hidden, self._rows = target, hidden, {}
+    Verification walks one path. A miss at node ``n`` computes ``n`` and the line below it that the
+    drafter put first (its first child, that child's first child, ...) in one product, so a chain
+    reads the (|V| x d) head once per cycle, and a tree pays again only where verification leaves
+    the drafter's favourite line."""
+
+    def __init__(self, target, hidden: torch.Tensor, tree: DraftTree) -> None:
+        self.target, self.hidden, self.tree, self._rows = target, hidden, tree, {}
+        #: head products computed (one per line), for the statistics
+        self.products = 0
 
     def __len__(self) -> int:
         return self.hidden.shape[0]
 
     def __getitem__(self, node: int) -> torch.Tensor:
         if node not in self._rows:
-            self._rows[node] = self.target.logits(self.hidden[node:node + 1])[0]
+            line = [node]
+            while self.tree.children.get(line[-1]):
+                line.append(self.tree.children[line[-1]][0])
+            index = torch.tensor(line, device=self.hidden.device)
+            logits = self.target.logits(self.hidden.index_select(0, index))
+            self._rows.update(zip(line, logits))
+            self.products += 1
         return self._rows[node]
 
 
@@ -93,16 +106,49 @@ class Engine:
         """Resolve a stack (built-in name, plugin name or TOML file), load its target and drafter
         (unless given) and build its components."""
         from .stacks import resolve_stack
+        from .target import stack_dtype
         from .targets import load_drafter, load_target
 
         registry = registry or default_registry()
         config = resolve_stack(stack, overrides=overrides, registry=registry)
-        target = target or load_target(config.target)
+        dtype, device = stack_dtype(config), torch.device(config.device)
+        if target is None:
+            target = load_target(config.target).to(dtype=dtype, device=device)
+            target.make_batch_invariant()
+        elif target.dtype != dtype or target.device.type != device.type:
+            raise ConfigError(f"stack '{config.name}' runs its target in {config.dtype} on "
+                              f"{config.device}, but the target given is {target.dtype} on "
+                              f"{target.device}: load one target per dtype and device")
         if config.drafter is None:
             drafter = None  # plain decoding, even when a caller shares one stack's drafter with all
         elif drafter is None:
             drafter = load_drafter(config.drafter, target)
         return cls(config, target, drafter, registry=registry)
+
+    @classmethod
+    def from_stacks(cls, stacks: Sequence[str | StackConfig], *,
+                    overrides: Mapping[str, Any] | None = None, registry: Registry | None = None,
+                    target=None) -> list["Engine"]:
+        """Engines for several stacks that share what they can: one loaded target per dtype and
+        device, and one drafter per drafter artifact on each. ``target`` (optional) serves the
+        stacks whose dtype and device it has."""
+        from .stacks import resolve_stack
+        from .target import stack_dtype
+
+        registry = registry or default_registry()
+        targets, drafters, engines = {}, {}, []
+        if target is not None:
+            targets[(target.dtype, target.device.type)] = target
+        for ref in stacks:
+            config = resolve_stack(ref, overrides=overrides, registry=registry)
+            key = (stack_dtype(config), torch.device(config.device).type)
+            engine = cls.from_stack(config, registry=registry, target=targets.get(key),
+                                    drafter=drafters.get((key, config.drafter)))
+            targets[key] = engine.target
+            if config.drafter is not None:
+                drafters[(key, config.drafter)] = engine.drafter
+            engines.append(engine)
+        return engines
 
     def verifier_for(self, temperature: float):
         name = self.stack.verifier.name
@@ -185,7 +231,7 @@ class Engine:
                 f"prompt of {len(ids)} tokens + {max_new} new tokens exceeds the target's context "
                 f"of {self.target.max_positions} positions")
         verifier = self.verifier_for(params.temperature)
-        generator = torch.Generator().manual_seed(0 if seed is None else int(seed))
+        generator = torch.Generator(device=self.target.device).manual_seed(0 if seed is None else int(seed))
         loop = self._speculate if self.drafter is not None else self._plain
 
         def run(stats):
@@ -207,9 +253,11 @@ class Engine:
     @torch.inference_mode()
     def _plain(self, ids, max_new, params, verifier, generator, stats) -> Iterator[list[int]]:
         """Plain decoding with the target alone (the ``baseline`` stack)."""
-        target, cache = self.target, self.target.new_cache()
+        target, device = self.target, self.target.device
+        cache = target.new_cache(len(ids) + max_new + 1)
         with stats.timed("prefill"):
-            hidden = target.forward(torch.tensor(ids), torch.arange(len(ids)), cache)
+            hidden = target.forward(torch.tensor(ids, device=device),
+                                    torch.arange(len(ids), device=device), cache)
             token = verifier.first_token(target.logits(hidden[-1:])[0], params, generator)
         produced, pos = 0, len(ids)
         while True:
@@ -218,45 +266,63 @@ class Engine:
             yield chunk
             if done:
                 return
-            with stats.timed("verify"):
-                hidden = target.forward(torch.tensor([token]), torch.tensor([pos]), cache)
+            before = stats.verify_time
+            with stats.timed("target_body"):
+                hidden = target.forward(torch.tensor([token], device=device),
+                                        torch.tensor([pos], device=device), cache)
+            with stats.timed("verify_head"):
                 token = verifier.first_token(target.logits(hidden)[0], params, generator)
+            stats.verify_times.append(stats.verify_time - before)
             pos += 1
 
     @torch.inference_mode()
     def _speculate(self, ids, max_new, params, verifier, generator, stats) -> Iterator[list[int]]:
-        """Speculative decoding. Invariant at the top of each cycle: ``tokens[:n_tokens]`` are
-        committed, the target's cache holds all but the last of them (the root), ``features[p]`` is the
-        target's feature at position p, and the drafter's cache holds positions 1..``dcache.length``."""
-        target, cache, dcache = self.target, self.target.new_cache(), DraftCache()
+        """Speculative decoding. Invariant at the top of each cycle: ``tokens[:n]`` are committed,
+        the target's cache holds all but the last of them (the root), ``features[p]`` is the
+        target's feature at position p < n - 1, and the drafter's cache holds positions
+        1..``dcache.length``. Every buffer is allocated once, for the whole generation."""
+        target, device, cfg = self.target, self.target.device, self.stack.draft
+        # room for the prompt, the output, one cycle's overshoot of max_new and one draft tree
+        capacity = len(ids) + max_new + cfg.depth + cfg.total_tokens + 2
+        cache = target.new_cache(capacity)
+        dcache = DraftCache(capacity)
+        tokens = torch.empty(capacity, dtype=torch.long, device=device)
+        features = torch.empty(capacity, target.hidden_size, dtype=target.dtype, device=device)
         with stats.timed("prefill"):
-            features = target.forward(torch.tensor(ids), torch.arange(len(ids)), cache)
-            first = verifier.first_token(target.logits(features[-1:])[0], params, generator)
-        # the committed tokens, written once each: prompt, output, and one cycle's overshoot of max_new
-        tokens = torch.empty(len(ids) + max_new + self.stack.draft.depth + 2, dtype=torch.long)
-        tokens[:len(ids)] = torch.tensor(ids)
+            tokens[:len(ids)] = torch.tensor(ids, device=device)
+            features[:len(ids)] = target.forward(tokens[:len(ids)],
+                                                 torch.arange(len(ids), device=device), cache)
+            first = verifier.first_token(target.logits(features[len(ids) - 1:len(ids)])[0], params,
+                                         generator)
         tokens[len(ids)] = first
-        n_tokens = len(ids) + 1
+        n = len(ids) + 1
         chunk, done = self._finish([first], 0, max_new)
         produced = len(chunk)
         yield chunk
         while not done:
-            root_pos = n_tokens - 1
+            root_pos = n - 1
             # the drafter consumes (x_p, f_{p-1}) for the positions it has not seen yet
-            fresh = slice(dcache.length + 1, root_pos + 1)
-            tree = self._draft(tokens[fresh], features[dcache.length:root_pos], root_pos, dcache, params,
-                               verifier, generator, stats, tokens[:n_tokens])
-            with stats.timed("verify"):
-                positions = torch.tensor([root_pos + 1 + d for d in tree.depths])
-                hidden = target.forward(torch.tensor(tree.tokens), positions, cache,
-                                        tree_mask=tree.attention_mask())
-                path, bonus = verifier.verify(tree, RowLogits(target, hidden), params, generator)
-                keep = torch.tensor([0, *path])
+            tree = self._draft(tokens[dcache.length + 1:n], features[dcache.length:root_pos], root_pos,
+                               dcache, params, verifier, generator, stats, tokens[:n])
+            before = stats.verify_time
+            with stats.timed("target_body"):
+                chain = tree.is_chain
+                hidden = target.forward(torch.tensor(tree.tokens, device=device),
+                                        root_pos + 1 + torch.tensor(tree.depths, device=device), cache,
+                                        tree_mask=None if chain else tree.attention_mask(device),
+                                        chain=chain)
+            with stats.timed("verify_head"):
+                logits = PathLogits(target, hidden, tree)
+                path, bonus = verifier.verify(tree, logits, params, generator)
+            stats.verify_products += logits.products
+            stats.verify_times.append(stats.verify_time - before)
+            with stats.timed("bookkeeping"):
+                keep = [0, *path]
                 target.keep(cache, root_pos, keep)
-            features = torch.cat([features, hidden[keep]])
-            committed = [tree.tokens[n] for n in path] + [bonus]
-            tokens[n_tokens:n_tokens + len(committed)] = torch.tensor(committed)
-            n_tokens += len(committed)
+                features[root_pos:root_pos + len(keep)] = hidden[keep]
+                committed = [tree.tokens[node] for node in path] + [bonus]
+                tokens[n:n + len(committed)] = torch.tensor(committed, device=device)
+                n += len(committed)
             chunk, done = self._finish(committed, produced, max_new)
             stats.accepted_lengths.append(len(chunk))  # what this cycle added to the output
             produced += len(chunk)
@@ -266,11 +332,11 @@ class Engine:
                stats, context) -> DraftTree:
         """Grow the draft tree below the root (the last committed token)."""
         cfg, target, drafter = self.stack.draft, self.target, self.drafter
-        dtype = drafter.fc.weight.dtype
+        device, dtype = target.device, drafter.fc.weight.dtype
         with stats.timed("embed"):
             emb = target.embed(fresh_tokens).to(dtype)
         feats = fresh_features.to(dtype)
-        positions = torch.arange(root_pos - len(fresh_tokens) + 1, root_pos + 1)
+        positions = torch.arange(root_pos - len(fresh_tokens) + 1, root_pos + 1, device=device)
         step = DraftStep(depth=0, tokens=fresh_tokens[-1:], token_embeddings=emb[-1:],
                          prev_hidden=feats[-1:], context=context)
         routing = self._start_routing(step)
@@ -306,24 +372,27 @@ class Engine:
                         child = tree.add(node, tok, lq)
                         new_nodes.append(child)
                         parent_row[child] = row
-            if depth == cfg.depth - 1:
+            if depth == cfg.depth - 1 or self._confidence(tree, new_nodes) < cfg.min_confidence:
                 break
             # expand the best new nodes: feed (token, parent's predicted feature) to the drafter
             frontier = sorted(new_nodes, key=lambda n: (-tree.scores[n], n))[: cfg.topk]
-            toks = torch.tensor([tree.tokens[n] for n in frontier])
-            feats = out[torch.tensor([parent_row[n] for n in frontier])]
+            toks = torch.tensor([tree.tokens[n] for n in frontier], device=device)
+            feats = out[torch.tensor([parent_row[n] for n in frontier], device=device)]
             with stats.timed("embed"):
                 emb = target.embed(toks).to(dtype)
             start = dcache.length
-            mask = torch.zeros(len(frontier), start + len(frontier), dtype=torch.bool)
-            mask[:, :base] = True  # the committed context, root included
+            # with one node per depth the drafter's new cache entries are exactly the frontier's
+            # ancestors, so the causal mask it builds itself is right; a tree needs its own
+            mask = None
+            if cfg.topk > 1:
+                mask = torch.zeros(len(frontier), start + len(frontier), dtype=torch.bool, device=device)
+                mask[:, :base] = True  # the committed context, root included
+                for row, node in enumerate(frontier):
+                    mask[row, [slots[a] for a in tree.ancestors(node)[1:] if a in slots]] = True
+                    mask[row, start + row] = True
             for row, node in enumerate(frontier):
-                for ancestor in tree.ancestors(node)[1:]:
-                    if ancestor in slots:
-                        mask[row, slots[ancestor]] = True
                 slots[node] = start + row
-                mask[row, start + row] = True
-            positions = torch.full((1, len(frontier)), root_pos + 1 + depth)
+            positions = torch.full((1, len(frontier)), root_pos + 1 + depth, device=device)
             step = DraftStep(depth=depth + 1, tokens=toks, token_embeddings=emb, prev_hidden=feats,
                              context=context)
             routing = self._start_routing(step)
@@ -333,6 +402,12 @@ class Engine:
             routing()  # a step that was routed but not drafted: finish it before returning
         dcache.crop(base)
         return tree.keep_best(cfg.total_tokens) if verifier.prunes else tree
+
+    @staticmethod
+    def _confidence(tree: DraftTree, new_nodes: list[int]) -> float:
+        """The drafter's probability of its likeliest new line: the product of the draft
+        probabilities from the root down to the best node just drafted."""
+        return math.exp(max(tree.scores[n] for n in new_nodes)) if new_nodes else 0.0
 
     def _start_routing(self, step: DraftStep):
         """With ``draft.router_overlap = "thread"``, start proposing the shortlist of ``step`` on a

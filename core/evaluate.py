@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from .data import SLICES, dev_protocol_prompts, format_prompt
 from .engine import Engine
+from .errors import ConfigError
 
 
 def evaluate(stacks: Sequence[str], *, prompts: int = 40, max_new_tokens: int = 64,
@@ -42,39 +43,94 @@ def evaluate(stacks: Sequence[str], *, prompts: int = 40, max_new_tokens: int = 
         source = (item for item in source if item["slice"] == slice_name)
     pool = list(itertools.islice(source, prompts))
     items = pool[part[0]::part[1]]
-    engines: dict[str, Engine] = {}
-    for ref in ["baseline", *[s for s in stacks if s != "baseline"]]:
-        engine = Engine.from_stack(ref, overrides=overrides if ref != "baseline" else None, target=target)
-        engines[engine.stack.name] = engine
-        target = engine.target
+    from .cost_model import read_bandwidth, weight_bytes
+
+    engines, reference_of = build_engines(stacks, overrides, target)
+    bandwidth = read_bandwidth()
     names = list(engines)
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for item in tqdm(items, desc="eval", unit="prompt", file=sys.stderr, disable=not progress):
         prompt = format_prompt(item["text"])
-        reference = None
-        for name in names:
+        references: dict[str, list[int]] = {}
+        for name in names:  # every baseline comes before the stacks it is the reference of
             result = engines[name].generate(prompt, max_new_tokens=max_new_tokens, temperature=0.0)
-            if reference is None:
-                reference = result.token_ids
-            s = result.stats
-            rows[name].append({"id": item["id"], "slice": item["slice"], "exact": result.token_ids == reference,
-                               "accepted": s.accepted_lengths, "new_tokens": s.new_tokens,
-                               "shortlist": s.mean_shortlist_size, "wall": s.wall_time,
-                               "tps": s.tokens_per_second, "times": dict(s.times)})
+            if reference_of[name] == name:
+                references[name] = result.token_ids
+            rows[name].append({"id": item["id"], "slice": item["slice"],
+                               "exact": result.token_ids == references[reference_of[name]],
+                               **result_row(result.stats)})
     return {"protocol": {"prompts": len(items), "max_new_tokens": max_new_tokens, "max_chars": max_chars,
                          "split": split, **({"train_offset": train_offset} if split == "train" else {}),
                          **({"slice": slice_name} if slice_name else {})},
-            "stacks": {name: summarize(rows[name], rows["baseline"]) for name in names},
+            "stacks": {name: summarize(rows[name], rows[reference_of[name]]) for name in names},
+            "baselines": reference_of,
+            "machine": {"read_bandwidth": bandwidth,
+                        "weight_bytes": {n: weight_bytes(engines[n].target) for n in names}},
+            "cost": costs(rows, reference_of, bandwidth,
+                          {n: weight_bytes(engines[n].target) for n in names}),
             "rows": rows}
+
+
+def build_engines(stacks: Sequence[str], overrides: dict[str, Any] | None,
+                  target=None) -> tuple[dict[str, Engine], dict[str, str]]:
+    """Engines for ``stacks`` and for the plain-decoding baseline each is measured against: one
+    baseline per target dtype and device among the stacks (named ``baseline``, or
+    ``baseline-<dtype>-<device>`` when the stacks differ), all sharing one loaded target per dtype
+    and device. Returns the engines, baselines first, and each engine's reference baseline."""
+    from .stacks import resolve_stack
+    from .target import stack_dtype
+
+    configs = [resolve_stack(ref, overrides=overrides) for ref in stacks if ref != "baseline"]
+    if not configs:
+        configs = [resolve_stack("baseline")]
+    kind_of = {c.name: (str(stack_dtype(c)).removeprefix("torch."), c.device) for c in configs}
+    kinds = sorted(set(kind_of.values()))
+    names = {kind: "baseline" if len(kinds) == 1 else f"baseline-{kind[0]}-{kind[1]}" for kind in kinds}
+    baselines = [resolve_stack("baseline", overrides={"dtype": dtype, "device": device})
+                 for dtype, device in kinds]
+    if len(set(c.name for c in configs)) < len(configs):
+        raise ConfigError("a stack is listed twice")
+    built = Engine.from_stacks([*baselines, *configs], target=target)
+    engines = {names[kind]: engine for kind, engine in zip(kinds, built)}
+    engines.update({c.name: engine for c, engine in zip(configs, built[len(kinds):])})
+    reference_of = {name: name for name in names.values()}
+    reference_of.update({c.name: names[kind_of[c.name]] for c in configs})
+    return engines, reference_of
+
+
+def result_row(stats) -> dict[str, Any]:
+    """The per-prompt figures a report keeps of one generation."""
+    return {"accepted": stats.accepted_lengths, "new_tokens": stats.new_tokens,
+            "shortlist": stats.mean_shortlist_size, "wall": stats.wall_time,
+            "tps": stats.tokens_per_second, "times": dict(stats.times),
+            "draft_steps": stats.draft_steps, "verify_products": stats.verify_products,
+            "verify_times": [round(t, 6) for t in stats.verify_times]}
 
 
 def merge(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One report from the parts of a run split with ``part``."""
     names = list(reports[0]["rows"])
+    reference_of = reports[0].get("baselines") or {n: "baseline" for n in names}
     rows = {name: [r for rep in reports for r in rep["rows"][name]] for name in names}
     protocol = dict(reports[0]["protocol"], prompts=sum(rep["protocol"]["prompts"] for rep in reports))
-    return {"protocol": protocol, "stacks": {n: summarize(rows[n], rows["baseline"]) for n in names},
-            "rows": rows}
+    out = {"protocol": protocol,
+           "stacks": {n: summarize(rows[n], rows[reference_of[n]]) for n in names},
+           "baselines": reference_of, "rows": rows}
+    machines = [rep["machine"] for rep in reports if "machine" in rep]
+    if machines:  # parts ran side by side: their bandwidths are one machine's, averaged
+        bandwidth = statistics.fmean(m["read_bandwidth"] for m in machines)
+        out["machine"] = {"read_bandwidth": bandwidth, "weight_bytes": machines[0]["weight_bytes"]}
+        out["cost"] = costs(rows, reference_of, bandwidth, machines[0]["weight_bytes"])
+    return out
+
+
+def costs(rows: dict[str, list[dict[str, Any]]], reference_of: dict[str, str], bandwidth: float,
+          weights: dict[str, int]) -> dict[str, Any]:
+    """:func:`dynaspec.cost_model.cost_figures` of every engine against its baseline."""
+    from .cost_model import cost_figures
+
+    return {n: cost_figures(rows[n], rows[reference_of[n]], bandwidth=bandwidth, weights=weights[n])
+            for n in rows}
 
 
 def summarize(rows: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> dict[str, Any]:

@@ -9,8 +9,12 @@ from typing import Any
 
 import attrs
 
-#: Wall-time buckets of a speculative generation.
-TIME_KEYS = ("prefill", "embed", "draft_core", "router", "head_gemm", "verify")
+#: Wall-time buckets of a generation: the prefill; drafting (embed, draft_core, router, head_gemm);
+#: verification (target_body: the target's pass over the drafted tokens; verify_head: its LM head
+#: and the verifier); bookkeeping (cache compaction, committing tokens and features).
+TIME_KEYS = ("prefill", "embed", "draft_core", "router", "head_gemm", "target_body", "verify_head",
+             "bookkeeping")
+DRAFT_KEYS = ("embed", "draft_core", "router", "head_gemm")
 
 
 @attrs.define
@@ -29,6 +33,10 @@ class GenerationStats:
     wall_time: float = 0.0
     #: draft steps taken (one per depth of every cycle, whatever the number of tree rows)
     draft_steps: int = 0
+    #: batched full-vocabulary head products computed by verification (one per cycle for a chain)
+    verify_products: int = 0
+    #: the target's time (body + head) of every cycle; for plain decoding, of every step
+    verify_times: list[float] = attrs.field(factory=list)
 
     @contextmanager
     def timed(self, key: str):
@@ -37,6 +45,15 @@ class GenerationStats:
             yield
         finally:
             self.times[key] += time.perf_counter() - start
+
+    @property
+    def draft_time(self) -> float:
+        return sum(self.times[k] for k in DRAFT_KEYS)
+
+    @property
+    def verify_time(self) -> float:
+        """The target's part of the cycles (plain decoding: of the steps): body + head."""
+        return self.times["target_body"] + self.times["verify_head"]
 
     @property
     def cycles(self) -> int:
@@ -75,5 +92,7 @@ class GenerationStats:
             "times": dict(self.times),
             "wall_time": self.wall_time,
             "draft_steps": self.draft_steps,
+            "verify_products": self.verify_products,
+            "verify_times": list(self.verify_times),
             "tokens_per_second": self.tokens_per_second,
         }

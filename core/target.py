@@ -3,9 +3,10 @@ masks and a KV cache that can keep an arbitrary subset of the tokens it just app
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,110 @@ import torch.nn.functional as F
 from .errors import ConfigError
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def native_bf16(device: torch.device | str = "cpu") -> bool:
+    """Whether ``device`` computes bfloat16 natively (then it is the faster target dtype)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = next((line for line in fh if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device | str = "cpu", *, exact_in_bf16: bool = True) -> torch.dtype:
+    """A ``dtype`` setting as a torch dtype. ``auto`` is bfloat16 where the device computes it
+    natively and ``exact_in_bf16`` (the draft shape verifies bit for bit there), else float32."""
+    if name == "auto":
+        return torch.bfloat16 if exact_in_bf16 and native_bf16(device) else torch.float32
+    if name not in DTYPES:
+        raise ConfigError(f"dtype {name!r} is not supported: one of auto, {', '.join(sorted(DTYPES))}")
+    return DTYPES[name]
+
+
+def stack_dtype(stack) -> torch.dtype:
+    """The dtype a :class:`~dynaspec.config.StackConfig` runs its target in."""
+    return resolve_dtype(stack.dtype, stack.device, exact_in_bf16=stack.exact_in_bfloat16)
+
+
+def _layer_base():
+    from transformers.cache_utils import DynamicLayer
+
+    return DynamicLayer
+
+
+class KVLayer(_layer_base()):
+    """One attention layer's keys and values in a buffer allocated once (grown by doubling only if
+    a caller under-sized it). ``update`` writes the new entries in place and returns views of the
+    filled part; :meth:`keep` compacts kept entries in place. No per-token concatenation."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = max(int(capacity), 1)
+        self.length = 0
+        self._k = self._v = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        b, h, _, d = key_states.shape
+        self._k = key_states.new_empty(b, h, self.capacity, d)
+        self._v = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
+        self.is_initialized = True
+
+    def _grow(self, needed: int) -> None:
+        size = max(needed, 2 * self._k.shape[-2])
+        k, v = self._k, self._v
+        self._k = k.new_empty(*k.shape[:2], size, k.shape[-1])
+        self._v = v.new_empty(*v.shape[:2], size, v.shape[-1])
+        self._k[:, :, :self.length] = k[:, :, :self.length]
+        self._v[:, :, :self.length] = v[:, :, :self.length]
+
+    def _set_length(self, length: int) -> None:
+        self.length = length
+        self.keys, self.values = self._k[:, :, :length], self._v[:, :, :length]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self._k.shape[-2]:
+            self._grow(end)
+        self._k[:, :, self.length:end] = key_states
+        self._v[:, :, self.length:end] = value_states
+        self._set_length(end)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def keep(self, past: int, keep: torch.Tensor | None, count: int) -> None:
+        """Keep the first ``past`` entries and the ``count`` appended entries ``past + keep`` (in
+        that order); ``keep=None`` means the first ``count`` appended ones (nothing moves)."""
+        if not self.is_initialized:
+            return
+        if keep is not None:
+            moved = past + keep
+            self._k[:, :, past:past + count] = self._k.index_select(2, moved)
+            self._v[:, :, past:past + count] = self._v.index_select(2, moved)
+        self._set_length(past + count)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove < 0 and self.is_initialized:
+            self._set_length(max(self.length + tokens_to_remove, 0))
+
+
+def _new_kv_cache(capacity: int):
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = functools.partial(KVLayer, capacity)
+    return cache
 
 
 class TargetModel:
@@ -31,19 +136,72 @@ class TargetModel:
             model.config, "get_text_config") else model.config
         self.decoder = model.get_decoder()
         self.embedding = model.get_input_embeddings()
-        head = model.get_output_embeddings()
-        self.lm_head_weight: torch.Tensor = head.weight
-        self.lm_head_bias: torch.Tensor | None = getattr(head, "bias", None)
+        self.lm_head_weight: torch.Tensor
+        self.lm_head_bias: torch.Tensor | None
+        self._refresh()
         self.softcap: float | None = getattr(self.config, "final_logit_softcapping", None)
         self.vocab_size = int(self.lm_head_weight.shape[0])
         self.hidden_size = int(self.lm_head_weight.shape[1])
         self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
-        self.dtype = self.lm_head_weight.dtype
-        self.device = self.lm_head_weight.device
         self._layer_types = self._mask_layer_types()
         self._fingerprint: dict[str, Any] | None = None
+        #: per layer shape, how rows are kept independent of the batch size (None: not probed)
+        self.batch_invariance: dict[str, str] | None = None
+        self._head = None  # a batch-invariant LM-head product, where the stock one is not
+        self._rowwise = False  # attention computes a chain's rows as plain steps would
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    def _refresh(self) -> None:
+        head = self.model.get_output_embeddings()
+        self.lm_head_weight = head.weight
+        self.lm_head_bias = getattr(head, "bias", None)
+        self.dtype = self.lm_head_weight.dtype
+        self.device = self.lm_head_weight.device
+
+    def to(self, *, dtype: torch.dtype | str | None = None,
+           device: torch.device | str | None = None) -> "TargetModel":
+        """Cast and/or move the model in place (returns ``self``). The fingerprint stays that of the
+        weights as loaded, so artifacts built for this target keep matching after a cast."""
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise ConfigError(f"dtype {dtype!r} is not supported: one of {sorted(DTYPES)}")
+            dtype = DTYPES[dtype]
+        device = torch.device(device) if device is not None else None
+        if (dtype is None or dtype == self.dtype) and (device is None or device == self.device):
+            return self
+        if self.batch_invariance is not None:
+            raise ConfigError("cast or move the target before make_batch_invariant(), not after")
+        self.fingerprint()
+        self.model.to(device=device, dtype=dtype)
+        self._refresh()
+        return self
+
+    def make_batch_invariant(self) -> dict[str, str]:
+        """Patch the target's linear layers whose kernels round differently for different row
+        counts (:mod:`dynaspec.batch_invariance`), so a verified row equals the plain step's row;
+        returns and keeps (``batch_invariance``) the verdict per layer shape. Call it after the
+        final :meth:`to`; it runs once."""
+        if self.batch_invariance is None:
+            from .batch_invariance import install_rowwise_attention, invariant_linear, make_batch_invariant
+
+            report = make_batch_invariant(self.decoder)
+            verdict, head = invariant_linear(self.lm_head_weight, self.lm_head_bias, rows=(2, 4, 6, 8))
+            report["lm_head " + "x".join(map(str, self.lm_head_weight.shape))] = verdict
+            self._head = head
+            self._rowwise = install_rowwise_attention(self.model)
+            report["attention"] = "row-wise for chains" if self._rowwise else "variant"
+            self.batch_invariance = report
+        return self.batch_invariance
+
+    @property
+    def batch_invariant(self) -> bool | None:
+        """Whether a chain's verification reproduces plain decoding bit for bit: every probed layer
+        is batch-invariant and attention runs row-wise for chains (None: not probed). Trees attend
+        to scattered ancestors, which no plain step lays out the same way: they are not covered."""
+        if self.batch_invariance is None:
+            return None
+        return "variant" not in self.batch_invariance.values()
 
     # -- properties ------------------------------------------------------------------------------
     @property
@@ -81,48 +239,52 @@ class TargetModel:
         """Input embeddings ``E(x)`` exactly as the target computes them (Gemma's scaling included)."""
         return self.embedding(ids)
 
-    def new_cache(self):
-        from transformers import DynamicCache
+    def new_cache(self, capacity: int = 256):
+        """A KV cache preallocated for ``capacity`` positions (it grows if a caller goes beyond).
 
-        # A plain DynamicCache keeps every position for every layer (sliding-window layers
-        # included), so rolled-back tokens can be dropped by index; windows live in our masks.
-        return DynamicCache()
+        Every layer keeps every position (sliding-window layers included), so rolled-back tokens
+        can be dropped by index; the windows live in our masks."""
+        return _new_kv_cache(capacity)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: Any,
-                tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+                tree_mask: torch.Tensor | None = None, *, chain: bool = False) -> torch.Tensor:
         """Run ``ids`` ([T]) at ``positions`` ([T]) after everything in ``cache``.
 
         ``tree_mask[i, j]`` (bool, [T, T]) says new token ``i`` may attend to new token ``j``; the
         default is causal. All cached tokens are visible (within a layer's sliding window).
+        ``chain=True`` says the tokens follow one another (a draft chain after the cache): after
+        :meth:`make_batch_invariant`, each row's attention is then computed exactly as a one-token
+        step would compute it.
         Returns the normed final hidden states, [T, d].
         """
+        from .batch_invariance import rowwise_chain
+
         past = cache.get_seq_length()
         mask = self._masks(past, positions, tree_mask)
-        out = self.decoder(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
-                           use_cache=True, **{self._cache_kwarg: cache})
+        with rowwise_chain(chain and self._rowwise):
+            out = self.decoder(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
+                               use_cache=True, **{self._cache_kwarg: cache})
         return out.last_hidden_state[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits (float32) for hidden states [R, d]."""
-        logits = F.linear(hidden, self.lm_head_weight, self.lm_head_bias).float()
+        if self._head is not None:
+            logits = self._head(hidden).float()
+        else:
+            logits = F.linear(hidden, self.lm_head_weight, self.lm_head_bias).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
-    @staticmethod
-    def keep(cache: Any, past: int, keep: torch.Tensor) -> None:
+    @torch.inference_mode()
+    def keep(self, cache: Any, past: int, keep: Sequence[int]) -> None:
         """Roll the cache back to its first ``past`` positions plus the appended positions
-        ``past + keep`` (in that order)."""
-        index = torch.cat([torch.arange(past, device=keep.device), past + keep])
+        ``past + keep`` (ascending), compacting in place. A chain keeps a prefix: nothing moves."""
+        keep = [int(k) for k in keep]
+        moved = None if keep == list(range(len(keep))) else torch.tensor(keep, device=self.device)
         for layer in cache.layers:
-            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-                continue
-            if index.numel() == layer.keys.shape[-2] and bool(
-                    (index == torch.arange(index.numel(), device=index.device)).all()):
-                continue
-            layer.keys = layer.keys.index_select(-2, index.to(layer.keys.device))
-            layer.values = layer.values.index_select(-2, index.to(layer.values.device))
+            layer.keep(past, moved, len(keep))
 
     # -- masks -------------------------------------------------------------------------------------
     def _mask_layer_types(self) -> tuple[str, ...]:
@@ -139,19 +301,18 @@ class TargetModel:
         return (_FULL,)
 
     def _masks(self, past: int, positions: torch.Tensor, tree_mask: torch.Tensor | None):
-        t = positions.numel()
+        t, device = positions.numel(), positions.device
         if tree_mask is None:
-            tree_mask = torch.ones(t, t, dtype=torch.bool, device=positions.device).tril()
-        allowed = torch.cat(
-            [torch.ones(t, past, dtype=torch.bool, device=positions.device), tree_mask], dim=1)
-        key_pos = torch.cat([torch.arange(past, device=positions.device), positions])
+            tree_mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+        allowed = torch.cat([torch.ones(t, past, dtype=torch.bool, device=device), tree_mask], dim=1)
+        key_pos = torch.cat([torch.arange(past, device=device), positions])
         masks = {}
         for kind in self._layer_types:
             ok = allowed
             if kind == _SLIDING:
                 window = int(self.config.sliding_window)
                 ok = allowed & ((positions[:, None] - key_pos[None, :]) < window)
-            additive = torch.zeros(ok.shape, dtype=self.dtype, device=positions.device)
+            additive = torch.zeros(ok.shape, dtype=self.dtype, device=device)
             additive.masked_fill_(~ok, torch.finfo(self.dtype).min)
             masks[kind] = additive[None, None]
         if getattr(self.config, "layer_types", None):

@@ -112,4 +112,4 @@ def resolve_artifact(ref: str) -> Path:
 def load_drafter(ref: str, target: TargetModel) -> Drafter:
     """Load a drafter for ``target``, refusing one trained for another target."""
     return Drafter.load(resolve_artifact(ref), target_fingerprint=target.fingerprint(),
-                        dtype=target.dtype)
+                        dtype=target.dtype).to(target.device)

@@ -40,6 +40,11 @@ class DraftTree:
         self.children.setdefault(parent, []).append(node)
         return node
 
+    @property
+    def is_chain(self) -> bool:
+        """Every node has at most one child, in node order (node i's parent is node i - 1)."""
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
     def ancestors(self, node: int) -> list[int]:
         """``node`` and its ancestors up to (and including) the root, deepest first."""
         out = []
@@ -69,10 +74,10 @@ class DraftTree:
                 out.draft_probs[remap[old]] = self.draft_probs[old]
         return out
 
-    def attention_mask(self) -> torch.Tensor:
+    def attention_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
         """bool [N, N]: node i may attend to node j iff j is i or one of its ancestors."""
         n = len(self)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            mask[i, self.ancestors(i)] = True
+        mask = torch.eye(n, dtype=torch.bool, device=device)
+        for i in range(1, n):  # parents come before their children: their rows are complete
+            mask[i] |= mask[self.parents[i]]
         return mask

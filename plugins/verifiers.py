@@ -88,12 +88,12 @@ class SamplingVerifier:
             accepted = None
             if kids:
                 ids, q_short = tree.draft_probs[node]
-                q = q_short.float() if ids is None else torch.zeros(vocab).index_put_(
+                q = q_short.float() if ids is None else torch.zeros(vocab, device=p.device).index_put_(
                     (ids,), q_short.float())
                 for child in kids:
                     token = tree.tokens[child]
                     ratio = p[token] / q[token]
-                    if torch.rand((), generator=generator) < ratio:
+                    if torch.rand((), generator=generator, device=p.device) < ratio:
                         accepted = child
                         break
                     residual = (p - q).clamp_(min=0.0)

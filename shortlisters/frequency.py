@@ -43,18 +43,17 @@ class FrequencyShortlister:
     plus the distinct tokens of the last ``N`` committed tokens ranked below the budget (a tail)."""
 
     def __init__(self, ranked: torch.Tensor, special: tuple[int, ...], vocab_size: int, *,
-                 context: int = 0) -> None:
+                 context: int = 0, device: torch.device | str = "cpu") -> None:
         seen = set(special)
         rest = [int(t) for t in ranked.tolist() if int(t) not in seen]
         # tokens never seen in the corpus still get a place after the counted ones
-        order = torch.tensor([*special, *rest], dtype=torch.long)
-        missing = torch.ones(vocab_size, dtype=torch.bool)
-        missing[order] = False
-        self.ranking = torch.cat([order, missing.nonzero().flatten()])
+        listed = set(rest) | seen
+        unseen = [t for t in range(vocab_size) if t not in listed]
+        self.ranking = torch.tensor([*special, *rest, *unseen], dtype=torch.long, device=device)
         #: the ranking as a head layout: every shortlist is the span [0, budget)
         self.head_layout = self.ranking
         self.rank_of = torch.empty_like(self.ranking)
-        self.rank_of[self.ranking] = torch.arange(self.ranking.numel())
+        self.rank_of[self.ranking] = torch.arange(self.ranking.numel(), device=device)
         self.context = context
         self._cache: dict[int, Shortlist] = {}
 
@@ -91,7 +90,8 @@ def _frequency(params: dict, ctx: BuildContext) -> FrequencyShortlister:
     if not path:
         raise ConfigError("shortlister 'frequency' needs 'path': a frequency list (see `dynaspec build-frequency`)")
     ranked, _ = load_frequency(ctx.resolve_artifact(str(path)), dict(ctx.target_fingerprint))
-    return FrequencyShortlister(ranked, ctx.special_token_ids, ctx.vocab_size, context=context)
+    return FrequencyShortlister(ranked, ctx.special_token_ids, ctx.vocab_size, context=context,
+                                device=ctx.device)
 
 
 @hookimpl

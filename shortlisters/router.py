@@ -69,24 +69,27 @@ class Router(nn.Module):
     def load(cls, path: str | Path, fingerprint: dict[str, Any] | None) -> tuple["Router", dict[str, Any]]:
         tensors, meta, metadata = read_artifact(path, FILE, FORMAT, what="router", fingerprint=fingerprint)
         router = cls(RouterConfig(**json.loads(metadata["config"])))
-        router.load_state_dict({k: v.float() for k, v in tensors.items()})
+        # assign: the stored tensors become the parameters (wherever the default device points)
+        router.load_state_dict({k: v.float() for k, v in tensors.items()}, assign=True)
         return router.eval(), meta
 
 
 class ClusterLayout:
     """Clusters laid out contiguously: special tokens first (always on), then cluster by cluster."""
 
-    def __init__(self, assignment: torch.Tensor, clusters: int, special: tuple[int, ...]) -> None:
-        special_t = torch.tensor(sorted(set(special)), dtype=torch.long)
-        assignment = assignment.long().clone()
+    def __init__(self, assignment: torch.Tensor, clusters: int, special: tuple[int, ...], *,
+                 device: torch.device | str = "cpu") -> None:
+        assignment = assignment.long().to(device, copy=True)
+        special_t = torch.tensor(sorted(set(special)), dtype=torch.long, device=device)
         keep = torch.ones_like(assignment, dtype=torch.bool)
         keep[special_t] = False
-        ids = torch.arange(assignment.numel())[keep]
+        ids = torch.arange(assignment.numel(), device=device)[keep]
         order = ids[torch.argsort(assignment[keep], stable=True)]
         sizes = torch.bincount(assignment[keep], minlength=clusters)
         self.n_special = special_t.numel()
         self.order = torch.cat([special_t, order])  # the head layout (a permutation of the vocabulary)
-        self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)]) + self.n_special
+        offsets = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)]) + self.n_special
+        self.offsets = offsets.tolist()  # read per selected cluster at every step: plain ints
         self.sizes = sizes
         self.members = [self.order[self.offsets[m]:self.offsets[m + 1]] for m in range(clusters)]
         self.special = special_t
@@ -98,10 +101,10 @@ class ClusterLayout:
     def missing(self, tokens: torch.Tensor, selected: list[int]) -> torch.Tensor:
         """The distinct ``tokens`` outside the always-on tokens and the ``selected`` clusters."""
         tokens = torch.unique(tokens.long())
-        on = torch.zeros(self.clusters + 1, dtype=torch.bool)
+        on = torch.zeros(self.clusters + 1, dtype=torch.bool, device=tokens.device)
         on[self.clusters] = True
         if selected:
-            on[torch.tensor(selected, dtype=torch.long)] = True
+            on[torch.tensor(selected, dtype=torch.long, device=tokens.device)] = True
         return tokens[~on[self.cluster_of[tokens]]]
 
     def shortlist(self, selected: list[int], context: torch.Tensor | None = None) -> Shortlist:
@@ -110,7 +113,7 @@ class ClusterLayout:
         selected = sorted(set(selected))
         spans: list[list[int]] = [[0, self.n_special]] if self.n_special else []
         for m in selected:
-            a, b = int(self.offsets[m]), int(self.offsets[m + 1])
+            a, b = self.offsets[m], self.offsets[m + 1]
             if a == b:
                 continue
             if spans and spans[-1][1] == a:
@@ -166,6 +169,8 @@ def _dynaspec(params: dict, ctx: BuildContext, core_sha: str | None = None) -> D
     fingerprint = dict(ctx.target_fingerprint)
     data = load_clusters(ctx.resolve_artifact(str(clusters_path)), fingerprint)
     router, meta = Router.load(ctx.resolve_artifact(str(router_path)), fingerprint)
+    # the router runs in the target's dtype and place: in bfloat16 it reads half the bytes per step
+    router.to(device=ctx.device, dtype=ctx.lm_head_weight.dtype)
     m = data["centroids"].shape[0]
     if router.cfg.clusters != m:
         raise ConfigError(f"router scores {router.cfg.clusters} clusters but the cluster file has {m}")
@@ -177,7 +182,7 @@ def _dynaspec(params: dict, ctx: BuildContext, core_sha: str | None = None) -> D
         raise ConfigError(f"the router at {router_path!r} was trained for the hybrid shortlister with "
                           f"{trained}; use it with shortlister 'hybrid' and that same 'frequency' list "
                           "and 'core' size")
-    layout = ClusterLayout(data["assignment"], m, ctx.special_token_ids)
+    layout = ClusterLayout(data["assignment"], m, ctx.special_token_ids, device=ctx.device)
     return DynaSpecShortlister(router, layout, per_row=per_row, context=context)
 
 

@@ -429,3 +429,23 @@ def test_eval_shortlist_simulates_chain_acceptance(artifacts, tmp_path, monkeypa
     assert 1.5 < got["chain_accepted_length"] < depth + 0.5  # the drafter is right often, not always
     assert report["one"]["overall"]["chain_accepted_length"] < 1.1
     assert "replayed accepted length" in shortlist_eval.format_report(report)
+
+
+@pytest.mark.parametrize("shortlister", ["dynaspec", "hybrid"])
+def test_routed_shortlists_create_no_tensor_off_the_target_device(artifacts, tmp_path, shortlister):
+    """Assembled and run with the default device set to ``meta`` (see test_device_clean): the
+    router, the cluster layout and the context tail all live on the target's device."""
+    from dynaspec.shortlisters.frequency import save_frequency
+
+    root, _ = artifacts
+    tgt = target("llama")
+    save_frequency(tmp_path, torch.arange(tgt.vocab_size, 0, -1), {"target": tgt.fingerprint()})
+    params = {"name": shortlister, "clusters": str(root / "clusters"), "router": str(root / "router"),
+              "context": 16, **({"frequency": str(tmp_path), "core": 10} if shortlister == "hybrid" else {})}
+    drafter, prompt = trained_drafter("llama"), [5, 6, 7, 8]
+    with torch.device("meta"):
+        engine = make_engine("llama", drafter, builtin_registry(), shortlister=params, backend="torch-blocked",
+                             scheduler={"name": "confidence", "k_max": 3, "mass": 0.8},
+                             draft={"mode": "chain", "depth": 4})
+        result = engine.generate(prompt, max_new_tokens=20)
+    assert result.token_ids == reference_greedy("llama", prompt, 20)

@@ -43,3 +43,43 @@ def test_evaluate_one_slice(tiny_spec_stack, monkeypatch):
     report = ev.evaluate([str(tiny_spec_stack)], prompts=5, max_new_tokens=4, progress=False, slice_name="code")
     assert [r["id"] for r in report["rows"]["spec"]] == ["b", "d"]
     assert set(report["stacks"]["spec"]) == {"overall", "code"} and report["protocol"]["slice"] == "code"
+
+
+def test_cost_model_accounts_for_every_millisecond(tiny_spec_stack, monkeypatch):
+    """The per-cycle split (draft, body, head, bookkeeping, other) adds up to the measured wall
+    time, a verification is priced in the baseline's own plain steps, and the bound is above
+    what was reached."""
+    from dynaspec.cost_model import format_cost_table
+
+    items = [{"id": "a", "text": "Hello there", "slice": "english"}, {"id": "b", "text": "def f():", "slice": "code"}]
+    monkeypatch.setattr(ev, "dev_protocol_prompts", lambda n, max_chars: items[:n])
+    report = ev.evaluate([str(tiny_spec_stack)], prompts=2, max_new_tokens=12, progress=False)
+    rows = report["rows"]["spec"]
+    cost = report["cost"]["spec"]
+    cycles = sum(len(r["accepted"]) for r in rows)
+    wall = sum(r["wall"] - r["times"]["prefill"] for r in rows)
+    assert abs(sum(cost["ms_per_cycle"].values()) * cycles / 1e3 - wall) < 1e-6
+    plain = sorted(t for r in report["rows"]["baseline"] for t in r["verify_times"])
+    mine = sorted(t for r in rows for t in r["verify_times"])
+    assert len(mine) == cycles and len(plain) == sum(r["new_tokens"] - 1 for r in report["rows"]["baseline"])
+    assert cost["verify_in_plain_steps"] > 0 and cost["tokens_per_cycle"] >= 1
+    # a plain step costs exactly one plain step, and commits one token
+    assert report["cost"]["baseline"]["verify_in_plain_steps"] == 1.0
+    assert report["cost"]["baseline"]["tokens_per_cycle"] == 1.0
+    assert 0 < cost["fraction_of_bound"] < 1 and report["machine"]["read_bandwidth"] > 1e8
+    table = format_cost_table(report["cost"], bandwidth=report["machine"]["read_bandwidth"],
+                              weights=max(report["machine"]["weight_bytes"].values()))
+    assert "| spec |" in table and "| baseline | 1.00 |" in table
+
+
+def test_each_dtype_gets_its_own_baseline(tiny_spec_stack, tmp_path, monkeypatch):
+    """Exactness and speed are always measured against plain decoding in the stack's own dtype."""
+    items = [{"id": "a", "text": "Hello", "slice": "english"}]
+    monkeypatch.setattr(ev, "dev_protocol_prompts", lambda n, max_chars: items[:n])
+    bf16 = tmp_path / "bf16.toml"
+    bf16.write_text(f'name = "spec-bf16"\nbase = "{tiny_spec_stack}"\ndtype = "bfloat16"\n')
+    report = ev.evaluate([str(tiny_spec_stack), str(bf16)], prompts=1, max_new_tokens=6, progress=False)
+    assert report["baselines"] == {"baseline-bfloat16-cpu": "baseline-bfloat16-cpu",
+                                   "baseline-float32-cpu": "baseline-float32-cpu",
+                                   "spec": "baseline-float32-cpu", "spec-bf16": "baseline-bfloat16-cpu"}
+    assert report["stacks"]["spec-bf16"]["overall"]["exact"] and report["stacks"]["spec"]["overall"]["exact"]

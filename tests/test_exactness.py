@@ -102,7 +102,7 @@ def test_statistics_are_consistent(registry):
     assert sum(stats.accepted_length_histogram.values()) == stats.cycles
     assert stats.mean_shortlist_size == target("llama").vocab_size  # full vocabulary
     assert set(stats.shortlist_size_per_depth) <= set(range(4))
-    assert stats.times["verify"] > 0 and stats.times["draft_core"] > 0 and stats.times["head_gemm"] > 0
+    assert stats.times["target_body"] > 0 and stats.times["draft_core"] > 0 and stats.times["head_gemm"] > 0
     assert stats.tokens_per_second > 0
 
 
@@ -112,3 +112,75 @@ def test_selected_backend_really_ran(registry):
     before = engine.backend.calls
     engine.generate([9, 10, 11], max_new_tokens=12)
     assert engine.backend.name == BACKEND and engine.backend.calls > before
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_confidence_stop_drafts_less_and_stays_exact(kind, mode):
+    """draft.min_confidence ends a draft early once the drafter's likeliest line is unlikely: fewer
+    draft steps, and the output is still the target's."""
+    draft = {"mode": mode, "depth": 6} if mode == "chain" else {"mode": "tree", "depth": 5, "topk": 3,
+                                                                "total_tokens": 12}
+    steps = {}
+    for threshold in (0.0, 0.6):
+        engine = make_engine(kind, trained_drafter(kind), builtin_registry(),
+                             draft={**draft, "min_confidence": threshold})
+        total = 0
+        for prompt in _prompts(seed=11, count=3):
+            result = engine.generate(prompt, max_new_tokens=30)
+            assert result.token_ids == reference_greedy(kind, prompt, 30), (prompt, threshold)
+            total += result.stats.draft_steps
+            assert result.stats.draft_steps <= 6 * result.stats.cycles
+        steps[threshold] = total
+    assert steps[0.6] < steps[0.0]
+
+
+def test_chain_verification_reads_the_head_once_per_cycle(registry):
+    """A chain's full-vocabulary rows come from one batched head product per cycle."""
+    engine = make_engine("llama", trained_drafter("llama"), registry, draft={"mode": "chain", "depth": 4})
+    result = engine.generate([9, 10, 11], max_new_tokens=30)
+    assert result.stats.verify_products == result.stats.cycles > 0
+    assert len(result.stats.verify_times) == result.stats.cycles
+
+
+def test_tree_verification_computes_lines_as_it_leaves_them(registry):
+    """A tree's first product covers the drafter's favourite line; another comes only where
+    verification leaves it, so products stay far below the node count."""
+    engine = make_engine("llama", random_drafter("llama"), registry,
+                         draft={"mode": "tree", "depth": 4, "topk": 3, "total_tokens": 12})
+    result = engine.generate([9, 10, 11], max_new_tokens=30)
+    stats = result.stats
+    assert stats.cycles <= stats.verify_products <= sum(stats.accepted_lengths)
+
+
+def test_preallocated_caches_compact_in_place_and_grow():
+    """The target's KV cache keeps an arbitrary subset of the appended entries in order, and grows
+    past an under-sized capacity without losing entries."""
+    tgt = target("llama")
+    cache = tgt.new_cache(capacity=4)  # smaller than what follows: it must grow
+    ids = torch.tensor([5, 6, 7, 8, 9, 10])
+    tgt.forward(ids, torch.arange(6), cache)
+    layer = cache.layers[0]
+    before_k = layer.keys.clone()
+    tgt.forward(torch.tensor([11, 12, 13, 14]), torch.arange(6, 10), cache)
+    appended = layer.keys[:, :, 6:10].clone()
+    tgt.keep(cache, 6, [1, 3])
+    assert cache.get_seq_length() == 8 == layer.keys.shape[-2]
+    assert torch.equal(layer.keys[:, :, :6], before_k)
+    assert torch.equal(layer.keys[:, :, 6:8], appended[:, :, [1, 3]])
+    tgt.keep(cache, 6, [0])  # a prefix: nothing moves, the length shrinks
+    assert cache.get_seq_length() == 7 and torch.equal(layer.keys[:, :, 6], appended[:, :, 1])
+
+
+def test_draft_cache_grows_and_crops():
+    from dynaspec.drafter import DraftCache
+
+    cache = DraftCache(capacity=2)
+    k = torch.arange(24.0).view(1, 2, 3, 4)
+    keys, _ = cache.append(k, k)
+    assert cache.length == 3 and torch.equal(keys, k)
+    keys, _ = cache.append(k[:, :, :1] + 100, k[:, :, :1])
+    assert cache.length == 4 and torch.equal(keys[:, :, :3], k) and torch.equal(keys[:, :, 3], k[:, :, 0] + 100)
+    cache.crop(2)
+    keys, _ = cache.append(k[:, :, 2:], k[:, :, 2:])
+    assert cache.length == 3 and torch.equal(keys, k)

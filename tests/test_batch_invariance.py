@@ -1,0 +1,80 @@
+"""Batch-invariant target numerics (dynaspec.batch_invariance) and the bfloat16 engine path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import builtin_registry, trained_drafter
+from dynaspec.batch_invariance import _split_linear, invariant_linear, make_batch_invariant
+from dynaspec.config import stack_from_mapping
+from dynaspec.engine import Engine
+from dynaspec.targets import tiny_target
+
+
+def _rows_equal_singles(layer: nn.Module, k: int, dtype) -> bool:
+    x = torch.randn(12, k, generator=torch.Generator().manual_seed(5)).to(dtype)
+    with torch.inference_mode():
+        single = torch.cat([layer(x[i:i + 1]) for i in range(12)])
+        return all(torch.equal(layer(x[:m]), single[:m]) for m in (2, 3, 4, 6, 12))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_patched_layers_compute_every_row_as_a_single_row(dtype):
+    """Whatever this machine's kernels do, a layer the probe calls stock or k-split gives the same
+    rows in a batch as one at a time; the verdicts name every distinct shape."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(640, 2048, bias=False), nn.Linear(2048, 640, bias=False),
+                          nn.Linear(2048, 640, bias=False), nn.Linear(96, 40)).to(dtype)
+    verdicts = make_batch_invariant(model)
+    assert set(verdicts) == {f"2048x640 {str(dtype)[6:]}", f"640x2048 {str(dtype)[6:]}", f"40x96 {str(dtype)[6:]}"}
+    for layer in model:
+        shape = f"{layer.weight.shape[0]}x{layer.weight.shape[1]} {str(dtype)[6:]}"
+        if verdicts[shape] != "variant":
+            assert _rows_equal_singles(layer, layer.weight.shape[1], dtype), (shape, verdicts[shape])
+        assert ("forward" in vars(layer)) == verdicts[shape].startswith("k-split")
+
+
+def test_k_split_computes_the_same_product():
+    torch.manual_seed(1)
+    w, b = torch.randn(64, 256), torch.randn(64)
+    x = torch.randn(5, 256)
+    for parts in (2, 4, 8):
+        torch.testing.assert_close(_split_linear(w, b, parts)(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    assert _split_linear(w, b, 3) is None  # 256 does not split in 3
+
+
+def test_invariant_linear_reports_a_usable_verdict():
+    w = torch.randn(32, 128, dtype=torch.bfloat16)
+    verdict, fn = invariant_linear(w)
+    assert verdict in ("stock", "variant") or verdict.startswith("k-split")
+    assert (fn is not None) == verdict.startswith("k-split")
+
+
+@pytest.mark.parametrize("draft", [{"mode": "chain", "depth": 5}, {"mode": "tree", "depth": 3, "topk": 2,
+                                                                    "total_tokens": 6}])
+def test_bfloat16_speculation_equals_bfloat16_plain_decoding(draft):
+    """The engine in bfloat16, after make_batch_invariant: greedy speculative output equals the same
+    target's plain greedy output, token for token, on every prompt."""
+    tgt = tiny_target("gemma3").to(dtype=torch.bfloat16)
+    verdicts = tgt.make_batch_invariant()
+    assert tgt.batch_invariant == ("variant" not in verdicts.values())
+    if not tgt.batch_invariant:  # kernels differ by machine: say which layer shape has none
+        pytest.skip(f"no batch-invariant form of the tiny target's layers on this machine: {verdicts}")
+    drafter = trained_drafter("gemma3")  # shared with other tests: cast a copy
+    spec = Engine(stack_from_mapping({"name": "s", "target": "tiny-gemma3", "drafter": "x", "draft": draft,
+                                      "dtype": "bfloat16"}), tgt, _bf16_copy(drafter), registry=builtin_registry())
+    plain = Engine(stack_from_mapping({"name": "b", "target": "tiny-gemma3", "dtype": "bfloat16"}), tgt, None,
+                   registry=builtin_registry())
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(4):
+        prompt = torch.randint(3, 99, (6,), generator=gen).tolist()
+        assert spec.generate(prompt, max_new_tokens=30).token_ids == plain.generate(prompt, max_new_tokens=30).token_ids
+
+
+def _bf16_copy(drafter):
+    import copy
+
+    return copy.deepcopy(drafter).to(torch.bfloat16)
