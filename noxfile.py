@@ -1,4 +1,5 @@
-"""nox sessions: `nox -s tests` (once per draft-head backend), `nox -s lint`, `nox -s bench`.
+"""nox sessions: `nox -s tests` (once per draft-head backend), `nox -s lint`, `nox -s bench`,
+`nox -s gpu` (exactness and speed of every stack on a CUDA GPU; skips without one).
 
 Sessions run in the current environment (torch is large; a CPU build is installed once, see the
 README), with the package installed editable.
@@ -44,4 +45,24 @@ def bench(session: nox.Session) -> None:
                 "--out", "bench-out/head", external=True)
     session.run("dynaspec", "bench", "--threads", "1", "--stacks", "default", "eagle-chain", "fr-spec", "dynaspec",
                 "--limit-per-category", "1", "--max-new-tokens", "64", "--out", "bench-out/bench",
+                *session.posargs, external=True)
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """On a CUDA machine: every built-in stack on the target's GPU, greedy, each output checked
+    token for token against plain decoding on the same GPU, with tokens/s against it and the cost
+    model. Skips (with the reason) where there is no CUDA GPU. Uses the current environment's torch,
+    which must be a CUDA build there."""
+    import subprocess
+    import sys
+
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                           capture_output=True, text=True)
+    if probe.stdout.strip() != "True":
+        session.skip("no CUDA GPU here (torch.cuda.is_available() is not True): nothing to check")
+    session.run("python", "-m", "pip", "install", "--quiet", "-e", ".[data,triton]", external=True)
+    stacks = ["default", "eagle-chain", "fr-spec", "fr-spec-pa", "dynaspec", "dynaspec-fixed",
+              "dynaspec-confidence", "dynaspec-context", "dynaspec-hybrid-context", "eagle"]
+    session.run("dynaspec", "eval", "--device", "cuda", "--prompts", "8", "--stacks", *stacks,
                 *session.posargs, external=True)

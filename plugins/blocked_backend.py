@@ -49,7 +49,20 @@ def _blocked(params: dict, ctx: BuildContext) -> BlockedBackend:
     return BlockedBackend(ctx.lm_head_weight, ctx.head_layout)
 
 
+def _auto(params: dict, ctx: BuildContext):
+    """``triton`` where the target runs on CUDA and Triton is installed, else ``torch-blocked``."""
+    if params:
+        raise ConfigError(f"backend 'auto' takes no parameters, got {sorted(params)}")
+    if torch.device(ctx.device).type == "cuda":
+        from .triton_backend import TritonBackend, unavailable_reason
+
+        if unavailable_reason() is None:
+            return TritonBackend(ctx.lm_head_weight)
+    return BlockedBackend(ctx.lm_head_weight, ctx.head_layout)
+
+
 @hookimpl
 def dynaspec_backends():
     return [Component("torch-blocked", _blocked,
-                      "LM head permuted once into the shortlister's layout; contiguous slices, no gather")]
+                      "LM head permuted once into the shortlister's layout; contiguous slices, no gather"),
+            Component("auto", _auto, "triton on CUDA (when installed), torch-blocked elsewhere")]

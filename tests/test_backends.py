@@ -52,3 +52,15 @@ def test_blocked_without_layout_gathers(setup):
     hidden = torch.randn(3, D)
     sl = layout.shortlist([2, 6])
     assert torch.allclose(BlockedBackend(weight, None).logits(hidden, sl), TorchBackend(weight).logits(hidden, sl))
+
+
+def test_auto_backend_is_torch_blocked_off_cuda(registry):
+    """``auto`` serves the draft head with Triton on CUDA and with the blocked torch product on the
+    CPU, where it keeps the shortlister's head layout."""
+    from conftest import make_engine, reference_greedy, trained_drafter
+
+    engine = make_engine("llama", trained_drafter("llama"), registry, backend="auto",
+                         draft={"mode": "chain", "depth": 3})
+    assert engine.backend.name == "torch-blocked"
+    prompt = [4, 5, 6]
+    assert engine.generate(prompt, max_new_tokens=12).token_ids == reference_greedy("llama", prompt, 12)

@@ -83,3 +83,19 @@ def test_each_dtype_gets_its_own_baseline(tiny_spec_stack, tmp_path, monkeypatch
                                    "baseline-float32-cpu": "baseline-float32-cpu",
                                    "spec": "baseline-float32-cpu", "spec-bf16": "baseline-bfloat16-cpu"}
     assert report["stacks"]["spec-bf16"]["overall"]["exact"] and report["stacks"]["spec"]["overall"]["exact"]
+
+
+def test_sampled_eval_reports_speed_without_a_token_check(tiny_spec_stack, monkeypatch):
+    """At a temperature the outputs are draws, not compared token for token: exact is None and the
+    table says so; each prompt's seed is the same in every stack and in every part."""
+    items = [{"id": "a", "text": "Hello", "slice": "english"}, {"id": "b", "text": "Bye", "slice": "english"}]
+    monkeypatch.setattr(ev, "dev_protocol_prompts", lambda n, max_chars: items[:n])
+    whole = ev.evaluate([str(tiny_spec_stack)], prompts=2, max_new_tokens=8, progress=False,
+                        temperature=0.7, seed=3)
+    assert whole["stacks"]["spec"]["overall"]["exact"] is None
+    assert "(sampled)" in ev.format_table(whole) and whole["protocol"]["temperature"] == 0.7
+    second = ev.evaluate([str(tiny_spec_stack)], prompts=2, max_new_tokens=8, progress=False,
+                         temperature=0.7, seed=3, part=(1, 2))
+    # the same prompt sampled with the same seed: the same draws, whether run whole or in parts
+    assert second["rows"]["baseline"][0]["token_ids"] == whole["rows"]["baseline"][1]["token_ids"]
+    assert second["rows"]["spec"][0]["token_ids"] == whole["rows"]["spec"][1]["token_ids"]
