@@ -28,8 +28,8 @@ def tests(session: nox.Session, backend: str) -> None:
 
 @nox.session(venv_backend="none")
 def lint(session: nox.Session) -> None:
-    """ruff over the sources and tests."""
-    session.run("python", "-m", "pip", "install", "--quiet", "ruff", external=True)
+    """ruff over the sources and tests (ruff comes with the test extra)."""
+    session.run("python", "-m", "pip", "install", "--quiet", "-e", ".[test]", external=True)
     session.run("ruff", "check", "core", "plugins", "shortlisters", "schedulers", "tests", "noxfile.py",
                 external=True)
 

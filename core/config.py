@@ -274,8 +274,9 @@ def stack_from_mapping(data: Mapping[str, Any], *, source: str = "stack") -> Sta
 
 
 def merge(base: Mapping[str, Any], child: Mapping[str, Any]) -> dict[str, Any]:
-    """Child fields over base fields; tables merge one level deep (a new component name resets)."""
-    out = dict(base)
+    """Child fields over base fields; tables merge one level deep (a new component name resets).
+    The description is the child's own: a stack built on a base is another stack."""
+    out = {k: v for k, v in base.items() if k != "description"}
     for key, value in child.items():
         if key == "base":
             continue

@@ -89,3 +89,14 @@ def test_bad_files(tmp_path, registry):
         resolve_stack(str(cyc), registry=registry)
     with pytest.raises(UnknownComponentError, match="unknown stack 'nope'"):
         resolve_stack("nope", registry=registry)
+
+
+def test_a_stack_on_a_base_does_not_inherit_its_description(tmp_path):
+    from dynaspec.stacks import resolve_stack
+
+    child = tmp_path / "child.toml"
+    child.write_text('name = "child"\nbase = "eagle-chain"\n[draft]\ndepth = 3\n')
+    assert resolve_stack(str(child)).description == ""
+    child.write_text('name = "child"\nbase = "eagle-chain"\ndescription = "mine"\n')
+    assert resolve_stack(str(child)).description == "mine"
+    assert resolve_stack("eagle-chain").description.startswith("full-vocabulary draft head")
