@@ -1,4 +1,5 @@
-"""nox sessions: `nox -s tests` (once per draft-head backend), `nox -s lint`, `nox -s bench`,
+"""nox sessions: `nox -s tests-torch`, `tests-torch-blocked`, `tests-triton` (the suite with the
+draft head on that backend; `nox -t tests` runs all three), `nox -s lint`, `nox -s bench`,
 `nox -s gpu` (exactness and speed of every stack on a CUDA GPU; skips without one).
 
 Sessions run in the current environment (torch is large; a CPU build is installed once, see the
@@ -7,7 +8,7 @@ README), with the package installed editable.
 
 import nox
 
-nox.options.sessions = ["tests", "lint"]
+nox.options.sessions = [*(f"tests-{b}" for b in ["torch", "torch-blocked", "triton"]), "lint"]
 
 BACKENDS = ["torch", "torch-blocked", "triton"]
 #: Triton runs under its CPU interpreter here, which is slow: its session runs the exactness and
@@ -16,14 +17,24 @@ TRITON_TESTS = ["tests/test_exactness.py", "tests/test_triton_backend.py", "test
                 "-k", "llama or backend or kernel or triton"]
 
 
-@nox.session(venv_backend="none")
-@nox.parametrize("backend", BACKENDS)
-def tests(session: nox.Session, backend: str) -> None:
-    """The test suite with the engine's draft head on one backend."""
+def _tests(session: nox.Session, backend: str) -> None:
     session.run("python", "-m", "pip", "install", "--quiet", "-e", ".[test,data]", external=True)
     selection = TRITON_TESTS if backend == "triton" and not session.posargs else session.posargs
     session.run("python", "-m", "pytest", "-q", "-m", "not slow", *selection,
                 env={"DYNASPEC_TEST_BACKEND": backend, "TRITON_INTERPRET": "1"})
+
+
+# one session per backend, named tests-<backend>; `nox -t tests` runs them all
+def _session_for(backend: str):
+    def run(session: nox.Session) -> None:
+        _tests(session, backend)
+
+    run.__doc__ = f"the test suite with the engine's draft head on the {backend} backend"
+    return nox.session(name=f"tests-{backend}", venv_backend="none", tags=["tests"])(run)
+
+
+for _backend in BACKENDS:
+    _session_for(_backend)
 
 
 @nox.session(venv_backend="none")

@@ -165,7 +165,12 @@ def install_rowwise_attention(model: nn.Module) -> bool:
         return True
     if current != "sdpa":
         return False
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
     AttentionInterface.register(ROWWISE_ATTENTION, _rowwise_sdpa)
+    # masks as for SDPA when Hugging Face builds them (e.g. in ``model.generate``); without this
+    # entry a custom implementation gets no mask at all, no causal or sliding window
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ROWWISE_ATTENTION, sdpa_mask)
     model.set_attn_implementation(ROWWISE_ATTENTION)
     return True
 

@@ -144,11 +144,13 @@ def draft_step_breakdown(stack_refs: Sequence[str], prompts: Sequence[str], *, m
                 agg["times"][key] += result.stats.times[key]
             agg["sizes"].append(result.stats.mean_shortlist_size)
             agg["mal"].append(result.stats.mean_accepted_length)
+            agg["wall"] = agg.get("wall", 0.0) + result.stats.wall_time
     report: dict[str, Any] = {}
     for name, agg in totals.items():
         steps = max(agg["steps"], 1)
         per = {key: 1e3 * t / steps for key, t in agg["times"].items()}
         report[name] = {"draft_steps": agg["steps"], "ms_per_step": per, "total_ms_per_step": sum(per.values()),
+                        "wall_seconds": agg.get("wall", 0.0),
                         "mean_shortlist_size": statistics.mean(agg["sizes"]) if agg["sizes"] else 0.0,
                         "mean_accepted_length": statistics.mean(agg["mal"]) if agg["mal"] else 0.0}
     first = report[engines[0].stack.name]["total_ms_per_step"] if engines else 0.0

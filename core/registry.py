@@ -183,8 +183,19 @@ class Registry:
         entry = self._entries[kind].get(name)
         if entry is None:
             available = ", ".join(self.names(kind)) or "(none)"
-            raise UnknownComponentError(f"unknown {kind} '{name}'; available: {available}")
+            failed = [p for p in self.plugins if p.error]
+            why = "".join(f"; plugin {p.label} failed to load ({p.error}), so whatever it provides "
+                          "is missing" for p in failed)
+            raise UnknownComponentError(f"unknown {kind} '{name}'{why}; available: {available}")
         return entry.component
+
+    def check_stack(self, stack: Any) -> None:
+        """Raise for any component a :class:`~dynaspec.config.StackConfig` names that no plugin
+        provides: cheap, so commands call it before loading a model."""
+        for kind in ("shortlister", "scheduler", "backend", "verifier"):
+            name = getattr(stack, kind).name
+            if not (kind == "verifier" and name == "auto"):
+                self.get(kind, name)
 
     def provider(self, kind: str, name: str) -> PluginInfo:
         self.get(kind, name)

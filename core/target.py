@@ -234,6 +234,13 @@ class TargetModel:
                                  "lm_head_sha256_rows64": digest}
         return dict(self._fingerprint)
 
+    def format_prompt(self, user_text: str) -> str:
+        """The prompt the target sees for one user message: the target owns its prompt format,
+        and every command (generate, eval, bench, the drafter's training) applies this one."""
+        from .data import format_prompt
+
+        return format_prompt(user_text)
+
     # -- computation -----------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Input embeddings ``E(x)`` exactly as the target computes them (Gemma's scaling included)."""

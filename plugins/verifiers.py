@@ -123,9 +123,18 @@ def _sampling(params, ctx):
     return SamplingVerifier()
 
 
+def _auto(params, ctx):
+    params = dict(params)
+    temperature = float(params.pop("temperature", 0.0))
+    if params:
+        raise ConfigError(f"verifier 'auto' takes no parameters, got {sorted(params)}")
+    return GreedyVerifier() if temperature == 0 else SamplingVerifier()
+
+
 @hookimpl
 def dynaspec_verifiers():
     return [
+        Component("auto", _auto, "greedy at temperature 0, lossless sampling above (the default)"),
         Component("greedy", _greedy, "accept while the draft equals the target argmax"),
         Component("sampling", _sampling,
                   "lossless speculative sampling, recursive rejection over siblings"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from dynaspec import bench_head
@@ -19,10 +20,13 @@ def test_bench_head_times_every_backend_size_and_dtype():
     assert {r["backend"] for r in rows} == {"torch", "torch-blocked"}
     assert {r["size"] for r in rows} == {100, 1000, 3000}  # clipped to the vocabulary
     assert report["bandwidth_bytes_per_s"] > 1e8 and report["copy_bandwidth_bytes_per_s"] > 1e8
+    bound = {(r["backend"], r["dtype"], r["rows"], r["size"]): r["bound"] for r in rows}
     for r in rows:
         assert r["seconds"] > 0
-        element = 4 if r["dtype"] == "float32" else 2
-        assert abs(r["bound"] - r["size"] * 64 * element / report["bandwidth_bytes_per_s"]) < 1e-12
+    # the bound is what reading the shortlisted rows costs: ten times the rows, ten times the bound;
+    # half the bytes per element, half the bound
+    assert bound[("torch", "float32", 1, 1000)] == pytest.approx(10 * bound[("torch", "float32", 1, 100)])
+    assert bound[("torch", "bfloat16", 4, 1000)] == pytest.approx(bound[("torch", "float32", 4, 1000)] / 2)
     table = bench_head.format_table(report)
     assert "| bfloat16 | 4 | 1,000 | torch-blocked |" in table
 
@@ -33,7 +37,8 @@ def test_draft_step_breakdown_splits_time_per_step(tiny_spec_stack):
     spec = report["spec"]
     assert spec["draft_steps"] > 0
     assert set(spec["ms_per_step"]) == set(bench_head.STEP_KEYS)
-    assert abs(spec["total_ms_per_step"] - sum(spec["ms_per_step"].values())) < 1e-9
+    # the parts are measured inside the generations: together they fit in their wall time
+    assert 0 < spec["total_ms_per_step"] * spec["draft_steps"] / 1e3 < spec["wall_seconds"]
     assert spec["ratio_to_first"] == 1.0 and spec["mean_accepted_length"] >= 1.0
     assert report["baseline"]["draft_steps"] == 0  # plain decoding drafts nothing
     assert "| spec |" in bench_head.format_breakdown(report)

@@ -31,7 +31,7 @@ def run(capsys, *argv):
 def test_generate_json(capsys, tiny_stack):
     _, stack = tiny_stack
     code, out, _ = run(capsys, "generate", "Hello there", "--stack", str(stack),
-                       "--max-new-tokens", "24", "--json")
+                       "--max-new-tokens", "24", "--json", "--raw")
     assert code == 0
     data = json.loads(out)
     for key in ("text", "token_ids", "new_tokens", "cycles", "mean_accepted_length",
@@ -43,6 +43,43 @@ def test_generate_json(capsys, tiny_stack):
     prompt = target("llama").tokenizer("Hello there")["input_ids"]
     assert data["token_ids"] == reference_greedy("llama", prompt, 24)
     assert data["mean_shortlist_size"] == 128
+
+
+def test_generate_applies_the_targets_prompt_format_unless_raw(capsys, tiny_stack):
+    """The target owns its prompt format: generate wraps the prompt the way eval, bench and the
+    drafter's training do, and --raw passes it as it is."""
+    from conftest import target
+
+    _, stack = tiny_stack
+    tgt = target("llama")
+    for extra, text in (([], tgt.format_prompt("Hi")), (["--raw"], "Hi")):
+        code, out, _ = run(capsys, "generate", "Hi", "--stack", str(stack), "--max-new-tokens", "8",
+                           "--json", *extra)
+        assert code == 0
+        assert json.loads(out)["token_ids"] == reference_greedy("llama", tgt.tokenizer(text)["input_ids"], 8)
+
+
+def test_prompt_file_stdin_and_stop(capsys, tiny_stack, tmp_path, monkeypatch):
+    import io
+
+    _, stack = tiny_stack
+    full = json.loads(run(capsys, "generate", "abc", "--stack", str(stack), "--max-new-tokens", "20",
+                          "--json", "--raw")[1])["text"]
+    path = tmp_path / "prompt.txt"
+    path.write_text("abc", encoding="utf-8")
+    from_file = json.loads(run(capsys, "generate", "--prompt-file", str(path), "--stack", str(stack),
+                               "--max-new-tokens", "20", "--json", "--raw")[1])["text"]
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"abc")))
+    from_stdin = json.loads(run(capsys, "generate", "-", "--stack", str(stack), "--max-new-tokens", "20",
+                                "--json", "--raw")[1])["text"]
+    assert full == from_file == from_stdin and len(full) > 4
+    stop = full[3:5]
+    cut = json.loads(run(capsys, "generate", "abc", "--stack", str(stack), "--max-new-tokens", "20",
+                         "--json", "--raw", "--stop", stop)[1])["text"]
+    assert cut == full[:full.find(stop)]
+    code, out, err = run(capsys, "generate", "abc", "--stack", str(stack), "--max-new-tokens", "20",
+                         "--raw", "--stop", stop)
+    assert code == 0 and out == cut + "\n"
 
 
 def test_generate_text_and_summary(capsys, tiny_stack):
@@ -59,6 +96,8 @@ def test_generate_text_and_summary(capsys, tiny_stack):
     (["--temperature", "-1"], "decode.temperature = -1.0 is invalid"),
     (["--set", "shortlister=nope"], "unknown shortlister 'nope'; available: dynaspec, frequency, full, hybrid"),
     (["--set", "verifier=greedy", "--temperature", "0.5"], "greedy verifier"),
+    (["--top-p", "0"], "decode.top_p = 0.0 is invalid"),
+    (["--set", "backend=nope"], "unknown backend 'nope'"),
 ])
 def test_errors_are_one_line(capsys, tiny_stack, argv, message):
     _, stack = tiny_stack
@@ -74,6 +113,49 @@ def test_empty_and_too_long_prompts(capsys, tiny_stack):
     assert code == 2 and "the prompt is empty" in err
     code, _, err = run(capsys, "generate", "x" * 600, "--stack", str(stack))
     assert code == 2 and "exceeds the target's context of 512" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "hi", "--max-new-tokens", "0"], "--max-new-tokens: must be >= 1, got 0"),
+    (["generate", "hi", "--max-new-tokens", "x"], "expected an integer >= 1"),
+    (["generate"], "no prompt"),
+    (["generate", "--prompt-file", "/nonexistent/p.txt"], "cannot read --prompt-file"),
+    (["generate", "hi", "--prompt-file", "p.txt"], "not both"),
+    (["generate", "hi", "--stop", ""], "--stop needs a non-empty text"),
+    (["bench", "--out", "/proc/no/such"], "cannot write --out /proc/no/such"),
+    (["eval", "--merge", "x.json", "--json-out", "/proc/no/r.json"], "cannot write the folder of --json-out"),
+])
+def test_bad_input_fails_in_one_line_before_any_model_loads(capsys, monkeypatch, argv, message):
+    from dynaspec import engine
+
+    monkeypatch.setattr(engine.Engine, "from_stack", classmethod(
+        lambda *a, **k: (_ for _ in ()).throw(AssertionError("a model was loaded"))))
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse's own errors exit
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_non_utf8_stdin_and_broken_pipe(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "dynaspec", "generate", "-"], input=b"\xff\xfe hi",
+                         capture_output=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.decode().strip() == (
+        "dynaspec: error: the prompt from standard input is not UTF-8 text (byte 0: b'\\xff')")
+    shell = subprocess.run(f"{sys.executable} -m dynaspec stacks | head -1", shell=True,
+                           capture_output=True, text=True, timeout=120)
+    assert shell.stdout.startswith("baseline") and "Traceback" not in shell.stderr
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith("dynaspec ")
 
 
 def test_drafter_for_another_target_is_refused(capsys, tiny_stack):
@@ -117,3 +199,22 @@ def test_help_is_fast_and_torch_free():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().endswith("False")
     assert "generate" in out.stdout
+
+
+def test_every_option_has_help():
+    from dynaspec.cli import build_parser
+
+    parser = build_parser()
+    missing = [(name, a.option_strings) for action in parser._subparsers._group_actions
+               for name, sub in action.choices.items() for a in sub._actions
+               if a.option_strings and a.dest != "help" and not a.help]
+    assert missing == []
+
+
+def test_plugins_columns_are_aligned(capsys):
+    code, out, _ = run(capsys, "plugins")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split()[:4] == ["PLUGIN", "DISTRIBUTION", "VERSION", "STATUS"]
+    starts = {line.index("built-in") for line in lines[1:] if "built-in" in line}
+    assert len(starts) == 1  # the status column starts at the same place on every row
+    assert "verifier:auto" in out

@@ -159,6 +159,18 @@ def test_artifacts_for_another_target_are_refused(artifacts):
         router_mod.Router.load(root / "router", target("gemma3").fingerprint())
 
 
+class _Fixed:
+    """A shortlister that always proposes the same ids."""
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def propose(self, step, scheduler):
+        from dynaspec.types import Shortlist
+
+        return Shortlist(self.ids)
+
+
 def test_eval_shortlist_reports_recall(artifacts, tmp_path, monkeypatch):
     from dynaspec import shortlist_eval
 
@@ -167,14 +179,18 @@ def test_eval_shortlist_reports_recall(artifacts, tmp_path, monkeypatch):
     tgt, drafter = target("llama"), trained_drafter("llama")
     registry = builtin_registry()
     full = registry.build("shortlister", "full", {}, None)
+    everything = _Fixed(torch.arange(tgt.vocab_size))  # explicit ids: recall is counted, not assumed
+    nothing = _Fixed(torch.tensor([2]))  # <unk>: never the next token of the tiny target's text
     engine = make_engine("llama", drafter, registry, shortlister={
         "name": "dynaspec", "clusters": str(root / "clusters"), "router": str(root / "router")},
         scheduler={"name": "position-aware", "k_max": 4})
     shards = sorted((root / "work").glob("shard-*.safetensors"))
     report = shortlist_eval.evaluate_shortlisters(
-        shards, tgt, drafter, {"full": (full, engine.scheduler), "dyn": (engine.shortlister, engine.scheduler)},
+        shards, tgt, drafter, {"full": (full, engine.scheduler), "dyn": (engine.shortlister, engine.scheduler),
+                               "everything": (everything, engine.scheduler), "nothing": (nothing, engine.scheduler)},
         depth=3)
-    assert report["full"]["overall"]["mean_recall"] == 1.0
+    assert report["everything"]["overall"]["mean_recall"] == 1.0
+    assert report["nothing"]["overall"]["mean_recall"] == 0.0
     dyn = report["dyn"]["overall"]["per_depth"]
     assert 0 < dyn[0]["recall"] <= 1 and dyn[0]["size"] < 128 and dyn[2]["size"] < dyn[0]["size"]
     shortlist_eval.plot_report(report, tmp_path / "plot.png")

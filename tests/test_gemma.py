@@ -38,7 +38,7 @@ class _Fake:
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
     monkeypatch.setenv("DYNASPEC_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(gemma, "_FULL_HASH_MAX", 1 << 20)  # the fake weights take the ends-only path
+    monkeypatch.setattr(gemma, "_FULL_HASH_MAX", 1 << 20)  # the fake weights take the CRC-32 path
     f = _Fake()
     monkeypatch.setattr(gemma, "_convert_into", f.convert)
     monkeypatch.setattr(gemma, "_load_converted", f.load)
@@ -78,6 +78,16 @@ def _damage_flip(final: Path) -> None:  # same size, different last MiB
     path.write_bytes(bytes(data))
 
 
+def _damage_middle(final: Path) -> None:  # same size, random bytes in the middle of the weights
+    import random
+
+    path = final / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 4096] = random.Random(0).randbytes(4096)
+    path.write_bytes(bytes(data))
+
+
 def _damage_manifest(final: Path) -> None:
     (final / gemma.MANIFEST).unlink()
 
@@ -90,7 +100,7 @@ def _damage_missing_file(final: Path) -> None:
     (final / "config.json").unlink()
 
 
-@pytest.mark.parametrize("damage", [_damage_truncate, _damage_flip, _damage_manifest,
+@pytest.mark.parametrize("damage", [_damage_truncate, _damage_flip, _damage_middle, _damage_manifest,
                                     _damage_garbled_manifest, _damage_missing_file])
 def test_damaged_cache_is_rebuilt(fake, capsys, damage):
     gemma.load_gemma_target()
@@ -98,10 +108,21 @@ def test_damaged_cache_is_rebuilt(fake, capsys, damage):
     damage(final)
     capsys.readouterr()
     gemma.load_gemma_target()
-    assert "unusable" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "cached Gemma copy at" in err and "unusable" in err  # the cache is named as the cause
     assert fake.built == 2
     assert gemma._problem(final) is None
     assert sorted(p.name for p in final.parent.iterdir()) == [final.name]
+
+
+def test_uncreatable_cache_folder_is_one_line_error(monkeypatch, tmp_path):
+    from dynaspec.errors import ConfigError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("DYNASPEC_CACHE_DIR", str(blocker / "cache"))
+    with pytest.raises(ConfigError, match="cannot write the Gemma cache under .*DYNASPEC_CACHE_DIR"):
+        gemma.load_gemma_target()
 
 
 def test_failed_load_rebuilds(fake, capsys):
@@ -144,8 +165,8 @@ def test_manifest_records_files(fake):
     manifest = json.loads((gemma.gemma_cache_dir() / gemma.MANIFEST).read_text())
     assert set(manifest["files"]) == {"model.safetensors", "config.json"}
     assert manifest["files"]["model.safetensors"]["size"] == 256 * (3 * 4096 + 7)
-    assert manifest["files"]["model.safetensors"]["hashed"] == "first and last MiB"
-    assert manifest["files"]["config.json"]["hashed"] == "whole file"
+    assert set(manifest["files"]["model.safetensors"]) == {"size", "crc32"}  # whole-file CRC-32
+    assert set(manifest["files"]["config.json"]) == {"size", "sha256"}
 
 
 def test_mid_file_damage_of_small_files_is_caught(fake, capsys):
