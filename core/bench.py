@@ -166,7 +166,6 @@ def run(stack_refs: Sequence[str], questions: Sequence[Question], out: Path, *, 
     from tqdm import tqdm
 
     from .cost_model import read_bandwidth, weight_bytes
-    from .data import format_prompt
     from .evaluate import build_engines
 
     out.mkdir(parents=True, exist_ok=True)
@@ -182,7 +181,7 @@ def run(stack_refs: Sequence[str], questions: Sequence[Question], out: Path, *, 
                 if q.question_id in done[name]:
                     continue
                 record = answer(engine, q, max_new_tokens=max_new_tokens, temperature=temperature,
-                                seed=seed, prompt_format=format_prompt)
+                                seed=seed, prompt_format=engine.target.format_prompt)
                 _append(files[name], record)
                 done[name][q.question_id] = record
                 bar.update(1)

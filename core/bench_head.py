@@ -129,7 +129,6 @@ def draft_step_breakdown(stack_refs: Sequence[str], prompts: Sequence[str], *, m
     ``draft_core`` includes the drafter's catch-up pass over the tokens committed by the previous
     cycle, so it is the whole drafter-layer cost of a cycle spread over its steps.
     """
-    from .data import format_prompt
     from .engine import Engine
 
     engines = Engine.from_stacks(stack_refs, overrides=overrides)
@@ -137,7 +136,8 @@ def draft_step_breakdown(stack_refs: Sequence[str], prompts: Sequence[str], *, m
               for e in engines}
     for prompt in prompts:
         for engine in engines:  # interleaved, so machine noise hits every stack alike
-            result = engine.generate(format_prompt(prompt), max_new_tokens=max_new_tokens, temperature=0.0)
+            result = engine.generate(engine.target.format_prompt(prompt), max_new_tokens=max_new_tokens,
+                                     temperature=0.0)
             agg = totals[engine.stack.name]
             agg["steps"] += result.stats.draft_steps
             for key in STEP_KEYS:

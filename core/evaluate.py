@@ -2,7 +2,7 @@
 side on the same prompts.
 
 Protocol (DESIGN.md): the first human turn of the first 40 conversations of the ShareGPT dev split,
-cut to 1,500 characters, wrapped by :func:`dynaspec.data.format_prompt`, 64 new tokens, greedy.
+cut to 1,500 characters, wrapped in the target's prompt format, 64 new tokens, greedy.
 The ``baseline`` stack runs on every prompt too, interleaved with the others (prompt by prompt),
 so machine noise hits all stacks alike; every greedy stack's output must equal the baseline's.
 """
@@ -13,7 +13,7 @@ import statistics
 import sys
 from typing import Any, Sequence
 
-from .data import SLICES, dev_protocol_prompts, format_prompt
+from .data import SLICES, dev_protocol_prompts
 from .engine import Engine
 from .errors import ConfigError
 
@@ -53,7 +53,7 @@ def evaluate(stacks: Sequence[str], *, prompts: int = 40, max_new_tokens: int = 
     names = list(engines)
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for k, item in enumerate(tqdm(items, desc="eval", unit="prompt", file=sys.stderr, disable=not progress)):
-        prompt = format_prompt(item["text"])
+        prompt = engines[names[0]].target.format_prompt(item["text"])
         references: dict[str, list[int]] = {}
         for name in names:  # every baseline comes before the stacks it is the reference of
             result = engines[name].generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
