@@ -399,19 +399,20 @@ _NEEDS_DATA = {"eval", "train-drafter"}
 
 
 def _ensure_folder(path: str, what: str) -> None:
-    """Create the output folder ``path`` now, so a bad path fails before any work, in one line."""
+    """Fail in one line, before any work, if the folder ``path`` could not be created or written;
+    nothing is created here (a failed command leaves no empty folder behind)."""
     import os
+    import tempfile
     from pathlib import Path
 
     folder = Path(os.path.expanduser(path))
-    blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
-    if blocker is not None and not blocker.is_dir():
-        raise InputError(f"cannot write {what} {path}: {blocker} is a file, not a folder")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".dynaspec-write-check-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("/"))
+    if not existing.is_dir():
+        raise InputError(f"cannot write {what} {path}: {existing} is a file, not a folder")
+    try:  # the nearest existing folder must take new entries
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".dynaspec-write-check-")
+        os.close(fd)
+        os.unlink(probe)
     except OSError as exc:
         raise InputError(f"cannot write {what} {path}: {exc.strerror or exc}") from None
 
