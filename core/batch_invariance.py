@@ -86,8 +86,47 @@ def _split_linear(weight: torch.Tensor, bias: torch.Tensor | None, parts: int):
     return forward
 
 
+VERDICTS_FILE = "batch-invariance.json"
+PROBE_VERSION = 1  # bump when the probe or SPLITS change: remembered verdicts are then re-probed
+
+
+def _machine() -> str:
+    """What decides which kernels run: torch's version and build, and the processor or GPU."""
+    import platform
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            info = fh.read()
+        model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+        flags = next((line.split(":", 1)[1] for line in info.splitlines() if line.startswith("flags")), "")
+    except OSError:
+        model, flags = platform.processor(), ""
+    import hashlib
+
+    return "|".join([f"probe{PROBE_VERSION}", torch.__version__, platform.machine(), model, gpu,
+                     hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:12]])
+
+
 def invariant_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
                      rows: tuple[int, ...] = PROBE_ROWS) -> tuple[str, Callable | None]:
+    """:func:`probe_linear`, remembered per machine (torch build, processor, GPU) in the cache
+    root: the probe reads large products and costs seconds; its answer never changes there."""
+    from .cache import read_json, update_json
+
+    key = "|".join([_machine(), "x".join(map(str, weight.shape)), str(weight.dtype), weight.device.type,
+                    str(bias is not None), ",".join(map(str, rows))])
+    verdict = read_json(VERDICTS_FILE).get(key)
+    if verdict is None:
+        verdict = probe_linear(weight, bias, rows)[0]
+        update_json(VERDICTS_FILE, {key: verdict})
+    if verdict.startswith("k-split"):
+        return verdict, _split_linear(weight, bias, int(verdict.split()[1]))
+    return verdict, None
+
+
+def probe_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 rows: tuple[int, ...] = PROBE_ROWS) -> tuple[str, Callable | None]:
     """How to compute ``F.linear(x, weight, bias)`` so that rows do not depend on the batch size:
     ``("stock", None)``, ``("k-split N", fn)``, or ``("variant", None)`` if nothing found works.
     Kernels are chosen by shape, dtype and device, never by value, so the probe runs on a weight

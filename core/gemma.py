@@ -38,6 +38,7 @@ from importlib.metadata import version as _dist_version
 from pathlib import Path
 from typing import Any
 
+from .cache import cache_root
 from .errors import ConfigError
 from .target import TargetModel
 
@@ -57,15 +58,6 @@ def _say(msg: str) -> None:
     print(f"dynaspec: {msg}", file=sys.stderr, flush=True)
 
 
-def _cache_root() -> Path:
-    env = os.environ.get("DYNASPEC_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("dynaspec"))
-
-
 def gemma_cache_dir() -> Path:
     """Where the converted Gemma copy lives (it may not exist yet).
 
@@ -76,7 +68,7 @@ def gemma_cache_dir() -> Path:
     tf_major = _dist_version("transformers").split(".")[0]
     key = (f"gemma3-270m-q4km-v{_dist_version(_DIST)}-{pkg.EXPECTED_SHA256[:12]}"
            f"-tf{tf_major}-f{_CACHE_FORMAT}")
-    return _cache_root() / "targets" / key
+    return cache_root() / "targets" / key
 
 
 # -- manifest --------------------------------------------------------------------------------------

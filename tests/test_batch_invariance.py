@@ -78,3 +78,18 @@ def _bf16_copy(drafter):
     import copy
 
     return copy.deepcopy(drafter).to(torch.bfloat16)
+
+
+def test_verdicts_are_remembered_per_machine(monkeypatch, tmp_path):
+    """The probe runs once per machine and shape; later loads read its verdict."""
+    from dynaspec import batch_invariance as bi
+
+    monkeypatch.setenv("DYNASPEC_CACHE_DIR", str(tmp_path))
+    calls = []
+    real = bi.probe_linear
+    monkeypatch.setattr(bi, "probe_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    w = torch.randn(48, 64, dtype=torch.bfloat16)
+    first = bi.invariant_linear(w)
+    second = bi.invariant_linear(w)
+    assert first[0] == second[0] and len(calls) == 1
+    assert (tmp_path / bi.VERDICTS_FILE).exists()
