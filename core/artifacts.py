@@ -13,8 +13,8 @@ from typing import Any, Mapping
 
 import torch
 
-from .drafter import atomic_write, check_fingerprint
-from .errors import ConfigError
+from .errors import ArtifactMismatchError, ConfigError
+from .files import atomic_write
 
 
 def write_artifact(path: str | Path, filename: str, fmt: str, tensors: Mapping[str, torch.Tensor],
@@ -51,3 +51,14 @@ def read_artifact(path: str | Path, filename: str, fmt: str, *, what: str,
     if fingerprint is not None:
         check_fingerprint(info.get("target"), fingerprint, what=f"{what} {path}")
     return tensors, info, metadata
+
+
+def check_fingerprint(recorded: Mapping[str, Any] | None, actual: Mapping[str, Any], *, what: str) -> None:
+    """Raise :class:`ArtifactMismatchError` unless an artifact's recorded target matches ``actual``."""
+    if not recorded:
+        raise ArtifactMismatchError(f"{what} records no target fingerprint; rebuild it for this target")
+    for key in ("model_type", "vocab_size", "hidden_size", "lm_head_sha256_rows64"):
+        if key in recorded and recorded[key] != actual.get(key):
+            raise ArtifactMismatchError(
+                f"{what} was built for another target: {key} is {recorded[key]!r} there, "
+                f"{actual.get(key)!r} for this target")

@@ -117,7 +117,7 @@ def _read_answers(path: Path) -> dict[str, dict[str, Any]]:
         good.append(line)
     clean = "".join(line + "\n" for line in good)
     if clean != text:  # drop the torn line so later appends start on a fresh line
-        from .drafter import atomic_write
+        from .files import atomic_write
 
         atomic_write(path, lambda p: Path(p).write_text(clean, encoding="utf-8"))
     return out

@@ -194,8 +194,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .drafter import atomic_write
     from .evaluate import evaluate, format_table
+    from .files import atomic_write
 
     if args.merge:
         from .evaluate import merge
@@ -255,13 +255,12 @@ def cmd_build_clusters(args: argparse.Namespace) -> int:
 def _train_shards(folders: list[str], max_shards: int | None) -> list:
     """Train-split shards of ``folders`` (first ``max_shards`` of each), ordered so that the last
     shard of the first folder comes last: the one held out for recall."""
-    from pathlib import Path
 
-    from .drafter_training import describe_shards
+    from .drafter_training import describe_shards, shard_paths
 
     per_folder = []
     for folder in folders:
-        found = sorted(Path(folder).glob("shard-*.safetensors"))[:max_shards]
+        found = shard_paths(folder)[:max_shards]
         if not found:
             raise ConfigError(f"no shards in {folder}: collect them with `dynaspec train-drafter --stage collect`")
         per_folder.append(found)
@@ -307,8 +306,8 @@ def cmd_train_router(args: argparse.Namespace) -> int:
 def cmd_eval_shortlist(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .drafter import atomic_write
     from .engine import Engine
+    from .files import atomic_write
     from .shortlist_eval import evaluate_shortlisters, format_report, plot_report
 
     configs, target, drafter = {}, None, None
@@ -316,7 +315,9 @@ def cmd_eval_shortlist(args: argparse.Namespace) -> int:
     for engine in Engine.from_stacks(args.stacks, overrides={"dtype": "float32"}):
         target, drafter = engine.target, engine.drafter or drafter
         configs[engine.stack.name] = (engine.shortlister, engine.scheduler)
-    shards = [p for folder in args.work for p in sorted(Path(folder).glob("shard-*.safetensors"))]
+    from .drafter_training import shard_paths
+
+    shards = [p for folder in args.work for p in shard_paths(folder)]
     if not shards:
         raise ConfigError(f"no shards in {' '.join(args.work)}: collect dev shards with "
                           "`dynaspec train-drafter --stage collect --split dev --work DIR`")
@@ -337,7 +338,7 @@ def cmd_bench_head(args: argparse.Namespace) -> int:
     import torch
 
     from .bench_head import bench_head, draft_step_breakdown, format_breakdown, format_table, plot
-    from .drafter import atomic_write
+    from .files import atomic_write
     from .targets import load_target
 
     target = load_target(args.target)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -19,7 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .artifacts import check_fingerprint
 from .errors import ArtifactMismatchError, ConfigError
+from .files import atomic_write
+
+__all__ = ["Drafter", "DrafterConfig", "DraftCache", "atomic_write", "check_drafter_shape", "check_fingerprint"]
 
 WEIGHTS_FILE = "drafter.safetensors"
 CONFIG_FILE = "drafter.json"
@@ -241,27 +244,3 @@ def check_drafter_shape(cfg: DrafterConfig, fingerprint: Mapping[str, Any], *, w
         if getattr(cfg, key) != fingerprint.get(key):
             raise ArtifactMismatchError(f"{what} does not fit this target: its {key} is "
                                         f"{getattr(cfg, key)}, the target's is {fingerprint.get(key)}")
-
-
-def check_fingerprint(recorded: Mapping[str, Any] | None, actual: Mapping[str, Any], *, what: str) -> None:
-    """Raise :class:`ArtifactMismatchError` unless an artifact's recorded target matches ``actual``."""
-    if not recorded:
-        raise ArtifactMismatchError(f"{what} records no target fingerprint; rebuild it for this target")
-    for key in ("model_type", "vocab_size", "hidden_size", "lm_head_sha256_rows64"):
-        if key in recorded and recorded[key] != actual.get(key):
-            raise ArtifactMismatchError(
-                f"{what} was built for another target: {key} is {recorded[key]!r} there, "
-                f"{actual.get(key)!r} for this target")
-
-
-def atomic_write(path: str | os.PathLike, write) -> None:
-    """Call ``write(tmp_path)`` then rename over ``path``: readers never see a partial file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -30,7 +30,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-from .drafter import Drafter, DrafterConfig, atomic_write
+from .drafter import Drafter, DrafterConfig
+from .files import atomic_write
 from .target import TargetModel
 
 SHARD_PREFIX = "shard-"
@@ -39,6 +40,11 @@ SHARD_PREFIX = "shard-"
 # -- stage 1: collection -----------------------------------------------------------------------------
 def _shard_path(work: Path, index: int) -> Path:
     return work / f"{SHARD_PREFIX}{index:05d}.safetensors"
+
+
+def shard_paths(work: str | Path) -> list[Path]:
+    """The collected shards of a work folder, in order (this module owns the shard format)."""
+    return sorted(Path(work).glob(f"{SHARD_PREFIX}*.safetensors"))
 
 
 def _prompt_batches(tokenizer, start: int, count: int, max_prompt_tokens: int,
@@ -335,7 +341,7 @@ def train(target: TargetModel, work: Path, out: Path, *, epochs: int = 2, steps:
     from tqdm import tqdm
 
     def shard_list() -> list[Path]:
-        return sorted(work.glob(f"{SHARD_PREFIX}*.safetensors"))[:max_shards]
+        return shard_paths(work)[:max_shards]
 
     paths = shard_list()
     if not paths:

@@ -97,9 +97,11 @@ class Engine:
             check_drafter_shape(drafter.cfg, self.ctx.target_fingerprint, what="the drafter")
         build = self.registry.build
         self.shortlister = build("shortlister", stack.shortlister.name, stack.shortlister.kwargs, self.ctx)
-        self.ctx.head_layout = getattr(self.shortlister, "head_layout", None)
         self.scheduler = build("scheduler", stack.scheduler.name, stack.scheduler.kwargs, self.ctx)
-        self.backend = build("backend", stack.backend.name, stack.backend.kwargs, self.ctx)
+        # the backend reads the shortlister's head layout (Shortlister.head_layout), handed over
+        # explicitly in its own context rather than written into the shared one
+        backend_ctx = attrs.evolve(self.ctx, head_layout=getattr(self.shortlister, "head_layout", None))
+        self.backend = build("backend", stack.backend.name, stack.backend.kwargs, backend_ctx)
         self._verifiers: dict[str, Any] = {}
         self._router_pool: ThreadPoolExecutor | None = None  # made on first use (router_overlap)
         self.verifier_for(stack.decode.temperature)  # fail early on a bad verifier

@@ -1,7 +1,7 @@
 """``dynaspec eval``: the standard dev protocol — acceptance, exactness and speed of stacks, side by
 side on the same prompts.
 
-Protocol (DESIGN.md): the first human turn of the first 40 conversations of the ShareGPT dev split,
+Protocol: the first human turn of the first 40 conversations of the ShareGPT dev split,
 cut to 1,500 characters, wrapped in the target's prompt format, 64 new tokens, greedy.
 The ``baseline`` stack runs on every prompt too, interleaved with the others (prompt by prompt),
 so machine noise hits all stacks alike; every greedy stack's output must equal the baseline's.

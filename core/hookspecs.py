@@ -70,7 +70,7 @@ def dynaspec_verifiers():  # type: ignore[empty-body]
     """Return verifier components (``verify``), or None to decline.
 
     A verifier factory is called as ``factory(params: dict, ctx: BuildContext)``; see
-    :class:`dynaspec.verify.Verifier` for the object it returns.
+    :class:`dynaspec.protocols.Verifier` for the object it returns.
     """
 
 

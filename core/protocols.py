@@ -34,7 +34,11 @@ class Scheduler(Protocol):
 
 @runtime_checkable
 class Shortlister(Protocol):
-    """``propose shortlist``: the vocabulary rows the draft head scores at one step."""
+    """``propose shortlist``: the vocabulary rows the draft head scores at one step.
+
+    Optionally a shortlister has ``head_layout``: a permutation of the vocabulary in which its
+    shortlists' ``spans`` are contiguous rows. The engine hands it to the backend's factory as
+    ``BuildContext.head_layout`` (None for a shortlister without one)."""
 
     def propose(self, step: DraftStep, scheduler: Scheduler) -> Shortlist | Sequence[Shortlist]:
         """One shortlist shared by every row of ``step``, or one per row."""

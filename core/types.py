@@ -77,5 +77,6 @@ class BuildContext:
     tokenizer: Any = None
     #: Resolve a path or built-in artifact name to a filesystem path.
     resolve_artifact: Callable[[str], str] = str
-    #: Row permutation of the LM head a shortlister wants its spans to refer to (set by shortlisters).
+    #: Row permutation of the LM head the shortlister's spans refer to: set by the engine in the
+    #: context it gives the backend's factory (from ``Shortlister.head_layout``), else None.
     head_layout: torch.Tensor | None = None

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from dynaspec.artifacts import read_artifact, write_artifact
-from dynaspec.drafter import atomic_write
 from dynaspec.errors import ConfigError
+from dynaspec.files import atomic_write
 from dynaspec.hookspecs import hookimpl
 from dynaspec.registry import Component
 from dynaspec.types import BuildContext, Shortlist
@@ -157,7 +157,9 @@ def build_frequency_list(target_ref: str, source: str, out: Path, *, work: str |
     elif source == "generated":
         if not work:
             raise ConfigError("--source generated needs --work (a `train-drafter --stage collect` folder)")
-        shards = sorted(Path(work).glob("shard-*.safetensors"))
+        from dynaspec.drafter_training import shard_paths
+
+        shards = shard_paths(work)
         if not shards:
             raise ConfigError(f"no collected shards in {work}")
         counts = count_generated(shards, target.vocab_size)

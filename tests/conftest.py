@@ -12,22 +12,27 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("DYNASPEC_TRITON
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from dynaspec import builtin_stacks
 from dynaspec.config import stack_from_mapping
 from dynaspec.drafter import Drafter, DrafterConfig
 from dynaspec.engine import Engine
-from dynaspec.plugins import blocked_backend, torch_backend, triton_backend, verifiers
 from dynaspec.registry import Registry
-from dynaspec.schedulers import confidence, fixed, position_aware
-from dynaspec.shortlisters import frequency, full, router
 from dynaspec.targets import tiny_target
 from dynaspec.training import greedy_sequences, train_drafter
 
 # tiny models gain nothing from threads, and threads suffer badly on a shared 2-core machine
 torch.set_num_threads(1)
 
-BUILTIN_MODULES = (builtin_stacks, torch_backend, blocked_backend, triton_backend, verifiers, full, fixed, position_aware, confidence, frequency,
-                   router)
+def _builtin_modules() -> tuple:
+    """The built-in plugin modules, as declared once: the package's own entry points."""
+    import importlib
+    import importlib.metadata
+
+    eps = [ep for ep in importlib.metadata.entry_points(group="dynaspec")
+           if ep.dist is not None and ep.dist.metadata["Name"] == "dynaspec"]
+    return tuple(importlib.import_module(ep.value) for ep in sorted(eps, key=lambda e: e.name))
+
+
+BUILTIN_MODULES = _builtin_modules()
 
 
 def builtin_registry(*extra) -> Registry:
