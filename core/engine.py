@@ -120,7 +120,7 @@ class Engine:
         config = resolve_stack(stack, overrides=overrides, registry=registry)
         dtype, device = stack_dtype(config), torch.device(config.device)
         if target is None:
-            target = load_target(config.target).to(dtype=dtype, device=device)
+            target = load_target(config.target, registry=registry).to(dtype=dtype, device=device)
             target.make_batch_invariant()
         elif target.dtype != dtype or target.device.type != device.type:
             raise ConfigError(f"stack '{config.name}' runs its target in {config.dtype} on "

@@ -14,7 +14,7 @@ The four component families map onto the four steps of a speculative cycle:
 * **verify** — verifiers (``dynaspec_verifiers``): accept or reject drafted tokens against the target's
   full-vocabulary logits.
 
-Plugins may also ship named stacks (``dynaspec_stacks``).
+Plugins may also ship named stacks (``dynaspec_stacks``) and target models (``dynaspec_targets``).
 
 Each hook takes no arguments (arguments may be added later, never removed or renamed) and returns a
 list of :class:`dynaspec.registry.Component` (or stack specs), or ``None`` to decline.
@@ -77,3 +77,13 @@ def dynaspec_verifiers():  # type: ignore[empty-body]
 @hookspec
 def dynaspec_stacks():  # type: ignore[empty-body]
     """Return named stacks as ``{name: mapping}`` (the same fields as a stack TOML file), or None."""
+
+
+@hookspec
+def dynaspec_targets():  # type: ignore[empty-body]
+    """Return target components, or None to decline.
+
+    A target factory is called as ``factory(params: dict, ctx: None)`` and returns a
+    :class:`dynaspec.target.TargetModel` (any Hugging Face causal LM wrapped with its tokenizer).
+    A stack names it in its ``target`` field.
+    """

@@ -25,6 +25,7 @@ KINDS: dict[str, str] = {
     "scheduler": "dynaspec_schedulers",
     "backend": "dynaspec_backends",
     "verifier": "dynaspec_verifiers",
+    "target": "dynaspec_targets",
 }
 BUILTIN_DISTRIBUTION = "dynaspec"
 STRICT_ENV = "DYNASPEC_STRICT_PLUGINS"
@@ -192,10 +193,12 @@ class Registry:
     def check_stack(self, stack: Any) -> None:
         """Raise for any component a :class:`~dynaspec.config.StackConfig` names that no plugin
         provides: cheap, so commands call it before loading a model."""
+        from pathlib import Path
+
         for kind in ("shortlister", "scheduler", "backend", "verifier"):
-            name = getattr(stack, kind).name
-            if not (kind == "verifier" and name == "auto"):
-                self.get(kind, name)
+            self.get(kind, getattr(stack, kind).name)
+        if stack.target not in self._entries["target"] and not Path(stack.target).is_dir():
+            self.get("target", stack.target)  # raises, naming the registered targets
 
     def provider(self, kind: str, name: str) -> PluginInfo:
         self.get(kind, name)

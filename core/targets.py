@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .drafter import Drafter
 from .errors import ConfigError, UnknownComponentError
@@ -70,23 +70,14 @@ def tiny_target(kind: str = "llama", *, seed: int = 0, **overrides: Any) -> Targ
     return TargetModel(model.float().eval(), tiny_tokenizer(), name=f"tiny-{kind}")
 
 
-def _gemma(**_: Any) -> TargetModel:
-    from .gemma import load_gemma_target
+def load_target(ref: str, *, registry=None) -> TargetModel:
+    """A target by the name a plugin registered it under (``dynaspec_targets``; the built-ins are
+    ``gemma3-270m``, ``tiny-llama`` and ``tiny-gemma3``), or a Hugging Face model directory."""
+    from .registry import default_registry
 
-    return load_gemma_target()
-
-
-TARGETS: dict[str, Callable[..., TargetModel]] = {
-    "gemma3-270m": _gemma,
-    "tiny-llama": lambda: tiny_target("llama"),
-    "tiny-gemma3": lambda: tiny_target("gemma3"),
-}
-
-
-def load_target(ref: str) -> TargetModel:
-    """A built-in target by name, or a Hugging Face model directory."""
-    if ref in TARGETS:
-        return TARGETS[ref]()
+    registry = registry or default_registry()
+    if ref in registry.names("target"):
+        return registry.build("target", ref, {}, None)
     path = Path(ref)
     if path.is_dir():
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -95,7 +86,8 @@ def load_target(ref: str) -> TargetModel:
         tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
         return TargetModel(model, tokenizer, name=str(path))
     raise UnknownComponentError(
-        f"unknown target '{ref}': not a built-in ({', '.join(sorted(TARGETS))}) nor a model directory")
+        f"unknown target '{ref}': not a registered target ({', '.join(registry.names('target'))}) "
+        "nor a model directory")
 
 
 def resolve_artifact(ref: str) -> Path:

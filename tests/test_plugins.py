@@ -110,3 +110,25 @@ def test_components_must_be_components():
 
     registry = builtin_registry(Wrong())
     assert any(p.error and "Component" in p.error for p in registry.plugins)
+
+
+def test_a_plugin_can_provide_a_target(tmp_path):
+    """Targets are components too: a plugin registers one by name and a stack selects it."""
+    from dynaspec.engine import Engine
+    from dynaspec.targets import load_target, tiny_target
+
+    mine = tiny_target("llama", seed=3)  # its own copy: loading through a stack patches and casts it
+
+    class MyTargets:
+        @hookimpl
+        def dynaspec_targets(self):
+            return [Component("my-tiny", lambda params, ctx: mine, "a tiny llama")]
+
+    registry = builtin_registry(MyTargets())
+    assert "my-tiny" in registry.names("target") and "gemma3-270m" in registry.names("target")
+    assert load_target("my-tiny", registry=registry) is mine
+    engine = Engine.from_stack("tiny-baseline", overrides={"target": "my-tiny", "dtype": "float32"},
+                               registry=registry)
+    assert engine.target is mine and len(engine.generate([5, 6, 7], max_new_tokens=4).token_ids) == 4
+    with pytest.raises(UnknownComponentError, match="unknown target 'nope'"):
+        load_target("nope", registry=registry)
