@@ -98,6 +98,7 @@ class Engine:
         build = self.registry.build
         self.shortlister = build("shortlister", stack.shortlister.name, stack.shortlister.kwargs, self.ctx)
         self.scheduler = build("scheduler", stack.scheduler.name, stack.scheduler.kwargs, self.ctx)
+        self._check_budget_units()
         # the backend reads the shortlister's head layout (Shortlister.head_layout), handed over
         # explicitly in its own context rather than written into the shared one
         backend_ctx = attrs.evolve(self.ctx, head_layout=getattr(self.shortlister, "head_layout", None))
@@ -105,6 +106,21 @@ class Engine:
         self._verifiers: dict[str, Any] = {}
         self._router_pool: ThreadPoolExecutor | None = None  # made on first use (router_overlap)
         self.verifier_for(stack.decode.temperature)  # fail early on a bad verifier
+
+    def _check_budget_units(self) -> None:
+        """A scheduler's budget is in the shortlister's unit (tokens, or clusters for the router);
+        a budget beyond what the shortlister has is a unit mix-up (32,768 "tokens" would select
+        every one of 1,024 clusters), so it is refused rather than silently clamped."""
+        limit = getattr(self.shortlister, "budget_limit", None)
+        if limit is None:
+            return
+        widest = int(self.scheduler.budget(depth=0))  # without scores: the cap at the widest depth
+        if widest > limit:
+            unit = getattr(self.shortlister, "budget_unit", "units")
+            raise ConfigError(
+                f"scheduler '{self.stack.scheduler.name}' gives a budget of {widest:,} at draft depth 0, "
+                f"but shortlister '{self.stack.shortlister.name}' counts its budget in {unit} and has "
+                f"{limit:,}: set the scheduler's budget (or k_max) to at most {limit:,}")
 
     @classmethod
     def from_stack(cls, stack: str | StackConfig = "default", *,

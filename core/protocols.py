@@ -38,7 +38,9 @@ class Shortlister(Protocol):
 
     Optionally a shortlister has ``head_layout``: a permutation of the vocabulary in which its
     shortlists' ``spans`` are contiguous rows. The engine hands it to the backend's factory as
-    ``BuildContext.head_layout`` (None for a shortlister without one)."""
+    ``BuildContext.head_layout`` (None for a shortlister without one). It may also declare
+    ``budget_unit`` (e.g. "clusters") and ``budget_limit`` (how many it has): the engine then
+    refuses a scheduler whose widest budget exceeds the limit, a sign of a unit mix-up."""
 
     def propose(self, step: DraftStep, scheduler: Scheduler) -> Shortlist | Sequence[Shortlist]:
         """One shortlist shared by every row of ``step``, or one per row."""

@@ -140,6 +140,9 @@ class DynaSpecShortlister:
         self.context = context
         #: index of the router's "always-on core" output (a core-aware router), else None
         self.core_index = router.cfg.clusters if router.cfg.core_class else None
+        #: the scheduler's budget counts clusters here (the engine checks it fits)
+        self.budget_unit = "clusters"
+        self.budget_limit = router.cfg.clusters + int(router.cfg.core_class)
 
     @torch.inference_mode()
     def propose(self, step: DraftStep, scheduler):

@@ -465,3 +465,17 @@ def test_routed_shortlists_create_no_tensor_off_the_target_device(artifacts, tmp
                              draft={"mode": "chain", "depth": 4})
         result = engine.generate(prompt, max_new_tokens=20)
     assert result.token_ids == reference_greedy("llama", prompt, 20)
+
+
+def test_a_budget_in_the_wrong_unit_is_refused(artifacts):
+    """The router's budget counts clusters: the fixed scheduler's default of 32,768 (tokens, for a
+    frequency list) would select every cluster, so it is refused with the limit, not clamped."""
+    root, _ = artifacts
+    params = {"name": "dynaspec", "clusters": str(root / "clusters"), "router": str(root / "router")}
+    with pytest.raises(ConfigError, match=r"gives a budget of 32,768 at draft depth 0, but shortlister "
+                       r"'dynaspec' counts its budget in clusters and has \d+"):
+        make_engine("llama", trained_drafter("llama"), builtin_registry(), shortlister=params,
+                    scheduler={"name": "fixed"})
+    engine = make_engine("llama", trained_drafter("llama"), builtin_registry(), shortlister=params,
+                         scheduler={"name": "fixed", "budget": 2})
+    assert engine.shortlister.budget_unit == "clusters"
