@@ -12,10 +12,9 @@ same split.
 
 Prompt format: the embedded target is the **base** (pre-trained) Gemma 3 270M, not the ``-it``
 model: its GGUF is named "Gemma 3 270m", carries no chat template, and its tokenizer has none, so
-Gemma's ``<start_of_turn>`` turn format would be out of distribution. :func:`format_prompt` therefore
-uses a plain ``"User: {text}\\nAssistant:"`` format. The tokenizer adds ``<bos>`` itself, so the
-prompt string carries none. Every caller goes through :func:`format_prompt`, so changing the format
-is a one-line change here.
+Gemma's ``<start_of_turn>`` turn format would be out of distribution. Its format is therefore the
+plain ``"User: {text}\\nAssistant:"`` (:data:`dynaspec.prompt.BASE_MODEL_FORMAT`), which the target
+owns (``TargetModel.prompt_format``); the training data here is written in it.
 
 Slices (for reporting acceptance per kind of text): ``code``, ``non-english`` and ``english``, from a
 cheap, dependency-free classifier (:func:`slice_of`).
@@ -31,6 +30,7 @@ import re
 from typing import Any, Iterator
 
 from .errors import ConfigError
+from .prompt import format_prompt  # noqa: F401 - the training data uses the embedded target's format
 
 __all__ = [
     "EXPECTED_CONVERSATIONS",
@@ -135,14 +135,6 @@ def load_split(name: str) -> list[dict[str, Any]]:
 
 
 # -- prompts ---------------------------------------------------------------------------------------
-def format_prompt(user_text: str) -> str:
-    """The prompt the target sees for one user message (see the module docstring for why).
-
-    ``"User: {user_text}\\nAssistant:"``: the base Gemma 3 270M has no chat template. No ``<bos>``
-    here: the tokenizer adds it.
-    """
-    return f"User: {user_text}\nAssistant:"
-
 
 def first_human_turn(conv: dict[str, Any]) -> str | None:
     """The text of the conversation's first human message (which need not be its first message:

@@ -128,10 +128,15 @@ class TargetModel:
     that need them.
     """
 
-    def __init__(self, model: Any, tokenizer: Any = None, *, name: str = "target") -> None:
+    def __init__(self, model: Any, tokenizer: Any = None, *, name: str = "target",
+                 prompt_format: str | None = None) -> None:
+        from .prompt import BASE_MODEL_FORMAT
+
         self.model = model.eval().requires_grad_(False)  # the target is never trained here
         self.tokenizer = tokenizer
         self.name = name
+        #: how one user message is written for this target, ``{text}`` standing for the message
+        self.prompt_format = prompt_format or BASE_MODEL_FORMAT
         self.config = model.config.get_text_config(decoder=True) if hasattr(
             model.config, "get_text_config") else model.config
         self.decoder = model.get_decoder()
@@ -235,11 +240,11 @@ class TargetModel:
         return dict(self._fingerprint)
 
     def format_prompt(self, user_text: str) -> str:
-        """The prompt the target sees for one user message: the target owns its prompt format,
-        and every command (generate, eval, bench, the drafter's training) applies this one."""
-        from .data import format_prompt
+        """The prompt the target sees for one user message, in its own ``prompt_format``; every
+        command (generate, eval, bench, the drafter's training) applies this one."""
+        from .prompt import format_prompt
 
-        return format_prompt(user_text)
+        return format_prompt(user_text, self.prompt_format)
 
     # -- computation -----------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

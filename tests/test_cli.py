@@ -238,3 +238,16 @@ def test_eval_rejects_an_unknown_component_before_loading(capsys, monkeypatch):
         lambda *a, **k: (_ for _ in ()).throw(AssertionError("a model was loaded"))))
     code, _, err = run(capsys, "eval", "--stacks", "default", "--set", "shortlister=nope")
     assert code == 2 and "unknown shortlister 'nope'" in err
+
+
+def test_generate_imports_nothing_from_training_or_evaluation():
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom dynaspec.cli import main\n"
+            "main(['generate', 'hi', '--stack', 'tiny-baseline', '--max-new-tokens', '2', '--json'])\n"
+            "tooling = ('data', 'evaluate', 'bench', 'bench_head', 'drafter_training', 'training', 'shortlist_eval')\n"
+            "print(sorted(m for m in sys.modules if m.startswith('dynaspec.') and m.split('.')[1] in tooling))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
