@@ -82,6 +82,7 @@ def build_engines(stacks: Sequence[str], overrides: dict[str, Any] | None,
     baseline per target dtype and device among the stacks (named ``baseline``, or
     ``baseline-<dtype>-<device>`` when the stacks differ), all sharing one loaded target per dtype
     and device. Returns the engines, baselines first, and each engine's reference baseline."""
+    from .registry import default_registry
     from .stacks import resolve_stack
     from .target import stack_dtype
 
@@ -95,10 +96,9 @@ def build_engines(stacks: Sequence[str], overrides: dict[str, Any] | None,
                  for dtype, device in kinds]
     if len(set(c.name for c in configs)) < len(configs):
         raise ConfigError("a stack is listed twice")
-    from .registry import default_registry
-
+    registry = default_registry()
     for config in configs:  # unknown components fail here, before any model loads
-        default_registry().check_stack(config)
+        registry.check_stack(config)
     built = Engine.from_stacks([*baselines, *configs], target=target)
     engines = {names[kind]: engine for kind, engine in zip(kinds, built)}
     engines.update({c.name: engine for c, engine in zip(configs, built[len(kinds):])})
