@@ -422,11 +422,9 @@ def _check_outputs(args: argparse.Namespace) -> None:
     """Fail fast on outputs that cannot be written and on a missing data extra."""
     from pathlib import Path
 
-    if args.command in _NEEDS_DATA and not getattr(args, "merge", None):
-        from .data import require_dataset
-
-        require_dataset()
-    if args.command == "build-frequency" and getattr(args, "source", None) == "raw":
+    needs_data = ((args.command in _NEEDS_DATA and not getattr(args, "merge", None))
+                  or (args.command == "build-frequency" and args.source == "raw"))
+    if needs_data:
         from .data import require_dataset
 
         require_dataset()

@@ -21,6 +21,7 @@ from torch import nn
 from .artifacts import check_fingerprint
 from .errors import ArtifactMismatchError, ConfigError
 from .files import atomic_write
+from .kv_buffer import KVBuffer
 
 __all__ = ["Drafter", "DrafterConfig", "DraftCache", "atomic_write", "check_drafter_shape", "check_fingerprint"]
 
@@ -102,34 +103,9 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
-class DraftCache:
-    """KV cache of the drafter's one layer, in buffers allocated once for ``capacity`` positions
-    (doubled if a caller goes beyond); ``crop`` drops speculative entries without copying."""
-
-    def __init__(self, capacity: int = 256) -> None:
-        self.capacity = max(int(capacity), 1)
-        self.length = 0
-        self._k: torch.Tensor | None = None
-        self._v: torch.Tensor | None = None
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``k``, ``v`` [B, H, T, D] after the cached entries; return views of all of them."""
-        end = self.length + k.shape[-2]
-        if self._k is None or end > self._k.shape[-2] or self._k.shape[:2] != k.shape[:2]:
-            size = max(end, self.capacity if self._k is None else 2 * self._k.shape[-2])
-            old_k, old_v = self._k, self._v
-            self._k = k.new_empty(*k.shape[:2], size, k.shape[-1])
-            self._v = v.new_empty(*v.shape[:2], size, v.shape[-1])
-            if old_k is not None and self.length:
-                self._k[:, :, :self.length] = old_k[:, :, :self.length]
-                self._v[:, :, :self.length] = old_v[:, :, :self.length]
-        self._k[:, :, self.length:end] = k
-        self._v[:, :, self.length:end] = v
-        self.length = end
-        return self._k[:, :, :end], self._v[:, :, :end]
-
-    def crop(self, length: int) -> None:
-        self.length = min(self.length, int(length))
+class DraftCache(KVBuffer):
+    """KV cache of the drafter's one layer (:class:`~dynaspec.kv_buffer.KVBuffer`); ``crop`` drops
+    the speculative entries of a cycle without copying."""
 
 
 class DecoderLayer(nn.Module):

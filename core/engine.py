@@ -321,13 +321,12 @@ class Engine:
             yield chunk
             if done:
                 return
-            before = stats.verify_time
-            with stats.timed("target_body"):
-                hidden = target.forward(torch.tensor([token], device=device),
-                                        torch.tensor([pos], device=device), cache)
-            with stats.timed("verify_head"):
-                token = verifier.first_token(target.logits(hidden)[0], params, generator)
-            stats.verify_times.append(stats.verify_time - before)
+            with stats.verification():
+                with stats.timed("target_body"):
+                    hidden = target.forward(torch.tensor([token], device=device),
+                                            torch.tensor([pos], device=device), cache)
+                with stats.timed("verify_head"):
+                    token = verifier.first_token(target.logits(hidden)[0], params, generator)
             pos += 1
 
     @torch.inference_mode()
@@ -358,18 +357,17 @@ class Engine:
             # the drafter consumes (x_p, f_{p-1}) for the positions it has not seen yet
             tree = self._draft(tokens[dcache.length + 1:n], features[dcache.length:root_pos], root_pos,
                                dcache, params, verifier, generator, stats, tokens[:n])
-            before = stats.verify_time
-            with stats.timed("target_body"):
-                chain = tree.is_chain
-                hidden = target.forward(torch.tensor(tree.tokens, device=device),
-                                        root_pos + 1 + torch.tensor(tree.depths, device=device), cache,
-                                        tree_mask=None if chain else tree.attention_mask(device),
-                                        chain=chain)
-            with stats.timed("verify_head"):
-                logits = PathLogits(target, hidden, tree)
-                path, bonus = verifier.verify(tree, logits, params, generator)
+            with stats.verification():
+                with stats.timed("target_body"):
+                    chain = tree.is_chain
+                    hidden = target.forward(torch.tensor(tree.tokens, device=device),
+                                            root_pos + 1 + torch.tensor(tree.depths, device=device), cache,
+                                            tree_mask=None if chain else tree.attention_mask(device),
+                                            chain=chain)
+                with stats.timed("verify_head"):
+                    logits = PathLogits(target, hidden, tree)
+                    path, bonus = verifier.verify(tree, logits, params, generator)
             stats.verify_products += logits.products
-            stats.verify_times.append(stats.verify_time - before)
             with stats.timed("bookkeeping"):
                 keep = [0, *path]
                 target.keep(cache, root_pos, keep)

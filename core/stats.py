@@ -46,6 +46,16 @@ class GenerationStats:
         finally:
             self.times[key] += time.perf_counter() - start
 
+    @contextmanager
+    def verification(self):
+        """Around one verification (or one plain step): records the target's time spent in it
+        (its ``target_body`` and ``verify_head`` buckets) in ``verify_times``."""
+        before = self.verify_time
+        try:
+            yield
+        finally:
+            self.verify_times.append(self.verify_time - before)
+
     @property
     def draft_time(self) -> float:
         return sum(self.times[k] for k in DRAFT_KEYS)

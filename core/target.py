@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ConfigError
+from .kv_buffer import KVBuffer
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 
@@ -53,63 +54,37 @@ def _layer_base():
 
 
 class KVLayer(_layer_base()):
-    """One attention layer's keys and values in a buffer allocated once (grown by doubling only if
-    a caller under-sized it). ``update`` writes the new entries in place and returns views of the
-    filled part; :meth:`keep` compacts kept entries in place. No per-token concatenation."""
+    """One attention layer's cache as Hugging Face expects it, over a
+    :class:`~dynaspec.kv_buffer.KVBuffer`: ``update`` writes the new entries in place and returns
+    views of the filled part; :meth:`keep` compacts kept entries in place."""
 
     def __init__(self, capacity: int) -> None:
         super().__init__()
-        self.capacity = max(int(capacity), 1)
-        self.length = 0
-        self._k = self._v = None
+        self.buffer = KVBuffer(capacity)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        b, h, _, d = key_states.shape
-        self._k = key_states.new_empty(b, h, self.capacity, d)
-        self._v = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
         self.is_initialized = True
-
-    def _grow(self, needed: int) -> None:
-        size = max(needed, 2 * self._k.shape[-2])
-        k, v = self._k, self._v
-        self._k = k.new_empty(*k.shape[:2], size, k.shape[-1])
-        self._v = v.new_empty(*v.shape[:2], size, v.shape[-1])
-        self._k[:, :, :self.length] = k[:, :, :self.length]
-        self._v[:, :, :self.length] = v[:, :, :self.length]
-
-    def _set_length(self, length: int) -> None:
-        self.length = length
-        self.keys, self.values = self._k[:, :, :length], self._v[:, :, :length]
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
-        if end > self._k.shape[-2]:
-            self._grow(end)
-        self._k[:, :, self.length:end] = key_states
-        self._v[:, :, self.length:end] = value_states
-        self._set_length(end)
+        self.keys, self.values = self.buffer.append(key_states, value_states)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return self.length
+        return self.buffer.length
 
     def keep(self, past: int, keep: torch.Tensor | None, count: int) -> None:
-        """Keep the first ``past`` entries and the ``count`` appended entries ``past + keep`` (in
-        that order); ``keep=None`` means the first ``count`` appended ones (nothing moves)."""
-        if not self.is_initialized:
-            return
-        if keep is not None:
-            moved = past + keep
-            self._k[:, :, past:past + count] = self._k.index_select(2, moved)
-            self._v[:, :, past:past + count] = self._v.index_select(2, moved)
-        self._set_length(past + count)
+        """See :meth:`KVBuffer.keep`."""
+        if self.is_initialized:
+            self.buffer.keep(past, keep, count)
+            self.keys, self.values = self.buffer.views()
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove < 0 and self.is_initialized:
-            self._set_length(max(self.length + tokens_to_remove, 0))
+            self.buffer.crop(self.buffer.length + tokens_to_remove)
+            self.keys, self.values = self.buffer.views()
 
 
 def _new_kv_cache(capacity: int):
