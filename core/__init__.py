@@ -6,8 +6,8 @@ The one import a plugin author needs::
     from dynaspec import hookimpl, Component
 """
 
-from .hookspecs import hookimpl
-from .registry import Component
+from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.registry import Component
 
 __version__ = "0.1.0"
 
@@ -16,7 +16,7 @@ __all__ = ["Component", "Engine", "hookimpl", "__version__"]
 
 def __getattr__(name):  # keep `import dynaspec` (and `dynaspec --help`) free of torch
     if name == "Engine":
-        from .engine import Engine
+        from dynaspec.runtime.engine import Engine
 
         return Engine
     raise AttributeError(name)

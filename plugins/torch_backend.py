@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from dynaspec.errors import ConfigError
-from dynaspec.hookspecs import hookimpl
-from dynaspec.registry import Component
-from dynaspec.types import BuildContext, Shortlist
+from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.registry import Component
+from dynaspec.runtime.types import BuildContext, Shortlist
 
 
 class TorchBackend:

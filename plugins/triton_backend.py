@@ -14,9 +14,9 @@ import os
 import torch
 
 from dynaspec.errors import ConfigError
-from dynaspec.hookspecs import hookimpl
-from dynaspec.registry import Component
-from dynaspec.types import BuildContext, Shortlist
+from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.registry import Component
+from dynaspec.runtime.types import BuildContext, Shortlist
 
 
 def unavailable_reason() -> str | None:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from dynaspec.errors import ConfigError
-from dynaspec.hookspecs import hookimpl
-from dynaspec.protocols import DecodeParams
-from dynaspec.registry import Component
-from dynaspec.tree import DraftTree
+from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.protocols import DecodeParams
+from dynaspec.runtime.registry import Component
+from dynaspec.runtime.tree import DraftTree
 
 
 def sampling_distribution(logits: torch.Tensor, params: DecodeParams) -> torch.Tensor:

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from dynaspec.config import require_positive_int
 from dynaspec.errors import ConfigError
-from dynaspec.hookspecs import hookimpl
-from dynaspec.registry import Component
+from dynaspec.runtime.config import require_positive_int
+from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.registry import Component
 
 
 class ConfidenceBudget:

@@ -7,10 +7,10 @@ shortlist.
 
 from __future__ import annotations
 
-from dynaspec.config import require_positive_int
 from dynaspec.errors import ConfigError
-from dynaspec.hookspecs import hookimpl
-from dynaspec.registry import Component
+from dynaspec.runtime.config import require_positive_int
+from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.registry import Component
 
 
 class PositionAware:

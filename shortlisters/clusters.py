@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from dynaspec.artifacts import read_artifact, write_artifact
 from dynaspec.errors import ConfigError
+from dynaspec.runtime.artifacts import read_artifact, write_artifact
 
 FORMAT = "dynaspec-clusters/1"
 FILE = "clusters.safetensors"

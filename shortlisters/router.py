@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dynaspec.artifacts import read_artifact, write_artifact
 from dynaspec.errors import ConfigError
-from dynaspec.hookspecs import hookimpl
-from dynaspec.registry import Component
-from dynaspec.types import BuildContext, DraftStep, Shortlist
+from dynaspec.runtime.artifacts import read_artifact, write_artifact
+from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.registry import Component
+from dynaspec.runtime.types import BuildContext, DraftStep, Shortlist
 
 from .clusters import load_clusters
 from .frequency import load_frequency, pop_context

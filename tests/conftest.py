@@ -12,12 +12,12 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("DYNASPEC_TRITON
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from dynaspec.config import stack_from_mapping
-from dynaspec.drafter import Drafter, DrafterConfig
-from dynaspec.engine import Engine
-from dynaspec.registry import Registry
-from dynaspec.targets import tiny_target
-from dynaspec.training import greedy_sequences, train_drafter
+from dynaspec.plugins.tiny import tiny_target
+from dynaspec.runtime.config import stack_from_mapping
+from dynaspec.runtime.drafter import Drafter, DrafterConfig
+from dynaspec.runtime.engine import Engine
+from dynaspec.runtime.registry import Registry
+from dynaspec.training.quick import greedy_sequences, train_drafter
 
 # tiny models gain nothing from threads, and threads suffer badly on a shared 2-core machine
 torch.set_num_threads(1)
@@ -95,7 +95,7 @@ def reference_greedy(kind: str, prompt: list[int], n: int) -> list[int]:
 def tiny_spec_stack(tmp_path, monkeypatch):
     """A speculative stack file on the tiny Llama target (trained drafter saved as an artifact),
     with the name ``baseline`` resolving to that target's plain decoding for this test."""
-    from dynaspec import stacks as stacks_mod
+    from dynaspec.runtime import stacks as stacks_mod
 
     trained_drafter("llama").save(tmp_path / "drafter")
     spec = tmp_path / "spec.toml"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dynaspec import Component, hookimpl
-from dynaspec.types import Shortlist
+from dynaspec.runtime.types import Shortlist
 
 
 class RandomSubset:

@@ -7,8 +7,8 @@ import torch
 
 from dynaspec.plugins.blocked_backend import BlockedBackend
 from dynaspec.plugins.torch_backend import TorchBackend
+from dynaspec.runtime.types import Shortlist
 from dynaspec.shortlisters.router import ClusterLayout
-from dynaspec.types import Shortlist
 
 V, D = 203, 24  # odd sizes on purpose
 

@@ -1,4 +1,4 @@
-"""Batch-invariant target numerics (dynaspec.batch_invariance) and the bfloat16 engine path."""
+"""Batch-invariant target numerics (dynaspec.runtime.batch_invariance) and the bfloat16 engine path."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import builtin_registry, trained_drafter
-from dynaspec.batch_invariance import _split_linear, invariant_linear, make_batch_invariant
-from dynaspec.config import stack_from_mapping
-from dynaspec.engine import Engine
-from dynaspec.targets import tiny_target
+from dynaspec.plugins.tiny import tiny_target
+from dynaspec.runtime.batch_invariance import _split_linear, invariant_linear, make_batch_invariant
+from dynaspec.runtime.config import stack_from_mapping
+from dynaspec.runtime.engine import Engine
 
 
 def _rows_equal_singles(layer: nn.Module, k: int, dtype) -> bool:
@@ -82,7 +82,7 @@ def _bf16_copy(drafter):
 
 def test_verdicts_are_remembered_per_machine(monkeypatch, tmp_path):
     """The probe runs once per machine and shape; later loads read its verdict."""
-    from dynaspec import batch_invariance as bi
+    from dynaspec.runtime import batch_invariance as bi
 
     monkeypatch.setenv("DYNASPEC_CACHE_DIR", str(tmp_path))
     calls = []

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from dynaspec import bench
 from dynaspec.errors import InputError
+from dynaspec.evaluation import bench
 
 
 def _write(path, lines):

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from dynaspec import bench_head
 from dynaspec.cli import main
+from dynaspec.evaluation import bench_head
 
 
 def test_bench_head_times_every_backend_size_and_dtype():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dynaspec.config import DecodeConfig, DraftConfig, stack_from_mapping
 from dynaspec.errors import ConfigError, UnknownComponentError
-from dynaspec.stacks import resolve_stack
+from dynaspec.runtime.config import DecodeConfig, DraftConfig, stack_from_mapping
+from dynaspec.runtime.stacks import resolve_stack
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -92,7 +92,7 @@ def test_bad_files(tmp_path, registry):
 
 
 def test_a_stack_on_a_base_does_not_inherit_its_description(tmp_path):
-    from dynaspec.stacks import resolve_stack
+    from dynaspec.runtime.stacks import resolve_stack
 
     child = tmp_path / "child.toml"
     child.write_text('name = "child"\nbase = "eagle-chain"\n[draft]\ndepth = 3\n')

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dynaspec import data
+from dynaspec.training import data
 
 
 @pytest.fixture(scope="module")

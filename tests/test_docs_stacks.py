@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dynaspec.stacks import resolve_stack
+from dynaspec.runtime.stacks import resolve_stack
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 

@@ -8,10 +8,11 @@ import json
 import pytest
 import torch
 
-from dynaspec import drafter_training as dt
-from dynaspec.drafter import Drafter
 from dynaspec.errors import ArtifactMismatchError
-from dynaspec.targets import load_drafter, tiny_target
+from dynaspec.plugins.tiny import tiny_target
+from dynaspec.runtime.drafter import Drafter
+from dynaspec.runtime.targets import load_drafter
+from dynaspec.training import drafter as dt
 
 TEXTS = ["Hello there, how are you?", "Write a poem about the sea.", "def f(x): return x * 2",
          "Bonjour, comment allez-vous ?", "Explain gravity simply.", "List three colours."]
@@ -100,7 +101,7 @@ def test_resumed_training_records_the_shards_it_ended_with_and_all_its_time(tmp_
 
 
 def test_prompt_batches_filter_one_slice(monkeypatch):
-    from dynaspec import data
+    from dynaspec.training import data
 
     items = [{"id": f"p{k}", "text": f"text {k}", "slice": "code" if k % 3 == 0 else "english"} for k in range(12)]
     monkeypatch.setattr(data, "training_prompts", lambda: iter(items))
@@ -111,7 +112,7 @@ def test_prompt_batches_filter_one_slice(monkeypatch):
 
 
 def test_raw_collection_stores_the_targets_greedy_next_token(tmp_path, monkeypatch):
-    from dynaspec.shortlisters.router_training import router_examples
+    from dynaspec.training.router import router_examples
 
     tgt = tiny_target("llama")
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from conftest import builtin_registry, make_engine, reference_greedy, target, trained_drafter
-from dynaspec import drafter_training as dt
 from dynaspec.errors import ArtifactMismatchError, ConfigError
 from dynaspec.shortlisters import router as router_mod
 from dynaspec.shortlisters.clusters import load_clusters, save_clusters, spherical_kmeans
 from dynaspec.shortlisters.router import ClusterLayout
-from dynaspec.shortlisters.router_training import train_router
+from dynaspec.training import drafter as dt
+from dynaspec.training.router import train_router
 
 
 def test_spherical_kmeans_recovers_planted_directions():
@@ -166,16 +166,16 @@ class _Fixed:
         self.ids = ids
 
     def propose(self, step, scheduler):
-        from dynaspec.types import Shortlist
+        from dynaspec.runtime.types import Shortlist
 
         return Shortlist(self.ids)
 
 
 def test_eval_shortlist_reports_recall(artifacts, tmp_path, monkeypatch):
-    from dynaspec import shortlist_eval
+    from dynaspec.evaluation import shortlist as shortlist_eval
 
     root, _ = artifacts
-    monkeypatch.setattr("dynaspec.data.load_conversations", lambda: [])
+    monkeypatch.setattr("dynaspec.training.data.load_conversations", lambda: [])
     tgt, drafter = target("llama"), trained_drafter("llama")
     registry = builtin_registry()
     full = registry.build("shortlister", "full", {}, None)
@@ -268,7 +268,7 @@ def test_eval_shortlist_cli_reads_several_shard_folders(artifacts, tmp_path, mon
     from dynaspec.cli import main
 
     root, _ = artifacts
-    monkeypatch.setattr("dynaspec.data.load_conversations", lambda: [])
+    monkeypatch.setattr("dynaspec.training.data.load_conversations", lambda: [])
     trained_drafter("llama").save(tmp_path / "drafter")
     stack = tmp_path / "dyn.toml"
     stack.write_text(f'name = "dyn"\ntarget = "tiny-llama"\ndrafter = "{tmp_path / "drafter"}"\n'
@@ -291,7 +291,7 @@ def test_eval_shortlist_cli_reads_several_shard_folders(artifacts, tmp_path, mon
 
 
 def test_recall_with_a_core_class_counts_core_tokens_as_found():
-    from dynaspec.shortlisters.router_training import recall_at
+    from dynaspec.training.router import recall_at
 
     logits = torch.tensor([[3.0, 2.0, 1.0, 9.0], [1.0, 2.0, 3.0, 0.0], [0.0, 1.0, 2.0, 5.0]])
     labels = torch.tensor([1, 0, 3])  # cluster 1 (rank 2), cluster 0 (rank 3), in the core
@@ -331,7 +331,7 @@ def _varied_shards(folder, tgt, n_shards=4, per_shard=8, length=24):
 def core_router(artifacts, tmp_path_factory):
     """A router trained for the hybrid with the 12 most frequent next tokens always on."""
     from dynaspec.shortlisters.frequency import load_frequency, save_frequency
-    from dynaspec.shortlisters.router_training import router_examples
+    from dynaspec.training.router import router_examples
 
     root, _ = artifacts
     out = tmp_path_factory.mktemp("core")
@@ -350,7 +350,7 @@ def core_router(artifacts, tmp_path_factory):
 
 def test_core_aware_router_has_a_core_class_and_learns(core_router, artifacts):
     from dynaspec.shortlisters.router import Router
-    from dynaspec.shortlisters.router_training import router_examples
+    from dynaspec.training.router import router_examples
 
     out, stats, assignment, core = core_router
     tgt = target("llama")
@@ -383,7 +383,7 @@ def test_hybrid_with_a_core_aware_router_is_exact(core_router, artifacts, draft)
         result = engine.generate(prompt, max_new_tokens=24)
         assert result.token_ids == reference_greedy("llama", prompt, 24)
     # all 9 slots: the 8 clusters and the core slot, which is dropped (it is no cluster) -> the vocabulary
-    from dynaspec.types import DraftStep
+    from dynaspec.runtime.types import DraftStep
 
     tgt = target("llama")
     shortlister, tokens = engine.shortlister, torch.tensor([11, 12])
@@ -412,10 +412,10 @@ def test_eval_shortlist_simulates_chain_acceptance(artifacts, tmp_path, monkeypa
     favourite in the shortlist; a cycle keeps its leading right drafts plus the target's token):
     checked against a direct loop for the full vocabulary, and near 1 for a special-tokens-only
     shortlist."""
-    from dynaspec import shortlist_eval
+    from dynaspec.evaluation import shortlist as shortlist_eval
     from dynaspec.shortlisters.frequency import FrequencyShortlister
 
-    monkeypatch.setattr("dynaspec.data.load_conversations", lambda: [])
+    monkeypatch.setattr("dynaspec.training.data.load_conversations", lambda: [])
     tgt, drafter = target("llama"), trained_drafter("llama")
     # the tiny target's own continuations (which its drafter gets right) and varied ones (mostly not)
     paths = [*sorted((artifacts[0] / "work").glob("shard-*.safetensors"))[:1],

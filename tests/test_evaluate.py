@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dynaspec import evaluate as ev
+from dynaspec.evaluation import evaluate as ev
 
 
 def test_evaluate_parts_merge(tiny_spec_stack, monkeypatch):
@@ -24,7 +24,7 @@ def test_evaluate_parts_merge(tiny_spec_stack, monkeypatch):
 
 
 def test_evaluate_train_split_takes_train_prompts_from_the_offset(tiny_spec_stack, monkeypatch):
-    from dynaspec import data
+    from dynaspec.training import data
 
     train = [{"id": f"t{k}", "text": f"prompt {k}", "slice": "english"} for k in range(10)]
     monkeypatch.setattr(data, "training_prompts", lambda max_chars: iter(train))
@@ -49,7 +49,7 @@ def test_cost_model_accounts_for_every_millisecond(tiny_spec_stack, monkeypatch)
     """The per-cycle split (draft, body, head, bookkeeping, other) adds up to the measured wall
     time, a verification is priced in the baseline's own plain steps, and the bound is above
     what was reached."""
-    from dynaspec.cost_model import format_cost_table
+    from dynaspec.evaluation.cost_model import format_cost_table
 
     items = [{"id": "a", "text": "Hello there", "slice": "english"}, {"id": "b", "text": "def f():", "slice": "code"}]
     monkeypatch.setattr(ev, "dev_protocol_prompts", lambda n, max_chars: items[:n])

@@ -68,9 +68,9 @@ def test_rollback_with_mostly_rejected_drafts(kind):
 
 
 def test_stops_at_eos():
-    from dynaspec.config import stack_from_mapping
-    from dynaspec.engine import Engine
-    from dynaspec.targets import tiny_target
+    from dynaspec.plugins.tiny import tiny_target
+    from dynaspec.runtime.config import stack_from_mapping
+    from dynaspec.runtime.engine import Engine
 
     prompt = [4, 8, 15, 16]
     free = reference_greedy("llama", prompt, 30)
@@ -174,7 +174,7 @@ def test_preallocated_caches_compact_in_place_and_grow():
 
 
 def test_draft_cache_grows_and_crops():
-    from dynaspec.drafter import DraftCache
+    from dynaspec.runtime.drafter import DraftCache
 
     cache = DraftCache(capacity=2)
     k = torch.arange(24.0).view(1, 2, 3, 4)
@@ -190,7 +190,7 @@ def test_draft_cache_grows_and_crops():
 def test_long_prompt_prefill_in_chunks_with_progress(monkeypatch, capsys):
     """A long prompt is prefilled in chunks with a progress bar; plain and speculative decoding
     chunk alike, so the output is still the baseline's."""
-    from dynaspec import engine as engine_mod
+    from dynaspec.runtime import engine as engine_mod
 
     monkeypatch.setattr(engine_mod, "LONG_PROMPT", 16)
     monkeypatch.setattr(engine_mod, "PREFILL_CHUNK", 8)

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def engines():
-    from dynaspec.engine import Engine
+    from dynaspec.runtime.engine import Engine
 
     base = Engine.from_stack("baseline")
     return base, Engine.from_stack("default", target=base.target)
@@ -18,7 +18,7 @@ def engines():
 @pytest.mark.parametrize("prompt", ["Write a Python function that reverses a string.",
                                     "Wie spät ist es in Berlin, wenn es in Tokio Mittag ist?"])
 def test_default_stack_matches_baseline(engines, prompt):
-    from dynaspec.data import format_prompt
+    from dynaspec.training.data import format_prompt
 
     base, spec = engines
     text = format_prompt(prompt)
@@ -30,7 +30,8 @@ def test_default_stack_matches_baseline(engines, prompt):
 
 def test_shipped_artifacts_refuse_another_target():
     from dynaspec.errors import ArtifactMismatchError
-    from dynaspec.targets import load_drafter, tiny_target
+    from dynaspec.plugins.tiny import tiny_target
+    from dynaspec.runtime.targets import load_drafter
 
     with pytest.raises(ArtifactMismatchError):
         load_drafter("gemma3-270m", tiny_target("llama"))
@@ -43,8 +44,8 @@ SHORTLISTING_STACKS = ["fr-spec", "fr-spec-pa", "dynaspec-fixed", "dynaspec", "d
 
 @pytest.mark.parametrize("stack", SHORTLISTING_STACKS)
 def test_shortlisting_stacks_match_baseline(engines, stack):
-    from dynaspec.data import format_prompt
-    from dynaspec.engine import Engine
+    from dynaspec.runtime.engine import Engine
+    from dynaspec.training.data import format_prompt
 
     base, _ = engines
     spec = Engine.from_stack(stack, target=base.target)

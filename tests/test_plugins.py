@@ -10,7 +10,7 @@ import pytest
 from conftest import builtin_registry
 from dynaspec import Component, hookimpl
 from dynaspec.errors import DuplicateComponentError, PluginLoadError, UnknownComponentError
-from dynaspec.registry import Registry
+from dynaspec.runtime.registry import Registry
 
 
 class Provides:
@@ -114,8 +114,9 @@ def test_components_must_be_components():
 
 def test_a_plugin_can_provide_a_target(tmp_path):
     """Targets are components too: a plugin registers one by name and a stack selects it."""
-    from dynaspec.engine import Engine
-    from dynaspec.targets import load_target, tiny_target
+    from dynaspec.plugins.tiny import tiny_target
+    from dynaspec.runtime.engine import Engine
+    from dynaspec.runtime.targets import load_target
 
     mine = tiny_target("llama", seed=3)  # its own copy: loading through a stack patches and casts it
 

@@ -19,7 +19,7 @@ LONG = (
 
 @pytest.fixture(scope="module")
 def default_engine():
-    from dynaspec.engine import Engine
+    from dynaspec.runtime.engine import Engine
 
     torch.set_num_threads(1)
     return Engine.from_stack("default")

@@ -14,12 +14,12 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import builtin_registry
-from dynaspec.config import stack_from_mapping
-from dynaspec.drafter import Drafter, DrafterConfig
-from dynaspec.engine import Engine
+from dynaspec.plugins.tiny import tiny_target
 from dynaspec.plugins.verifiers import SamplingVerifier, sampling_distribution
-from dynaspec.protocols import DecodeParams
-from dynaspec.targets import tiny_target
+from dynaspec.runtime.config import stack_from_mapping
+from dynaspec.runtime.drafter import Drafter, DrafterConfig
+from dynaspec.runtime.engine import Engine
+from dynaspec.runtime.protocols import DecodeParams
 from plugins_for_tests import TestPlugin
 
 VOCAB = 12

@@ -7,8 +7,8 @@ import torch
 
 from conftest import builtin_registry, make_engine, reference_greedy, target, trained_drafter
 from dynaspec.errors import ArtifactMismatchError, ConfigError
+from dynaspec.runtime.types import DraftStep
 from dynaspec.shortlisters.frequency import FrequencyShortlister, load_frequency, save_frequency
-from dynaspec.types import DraftStep
 
 
 def test_position_aware_budget_follows_the_paper(registry):
@@ -44,7 +44,7 @@ def test_frequency_artifact_roundtrip_and_fingerprint(tmp_path):
 
 
 def test_frequency_with_context_adds_the_context_tokens_below_the_budget(registry):
-    from dynaspec.types import DraftStep
+    from dynaspec.runtime.types import DraftStep
 
     ranked = torch.tensor([7, 9, 50, 3])
     short = FrequencyShortlister(ranked, special=(1,), vocab_size=64, context=4)

@@ -8,10 +8,11 @@ import json
 import pytest
 
 from dynaspec.errors import ArtifactMismatchError
+from dynaspec.plugins.tiny import tiny_target
+from dynaspec.runtime.targets import resolve_artifact
 from dynaspec.shortlisters.clusters import load_clusters
 from dynaspec.shortlisters.frequency import load_frequency
 from dynaspec.shortlisters.router import Router, cluster_digest
-from dynaspec.targets import resolve_artifact, tiny_target
 
 GEMMA = resolve_artifact("gemma3-270m")
 

@@ -19,7 +19,7 @@ PLUGIN_MODULE = '''
 """Every other token of the vocabulary, plus the special ones."""
 import torch
 from dynaspec import Component, hookimpl
-from dynaspec.types import Shortlist
+from dynaspec.runtime.types import Shortlist
 
 
 class EveryOther:

@@ -10,8 +10,8 @@ import torch
 from dynaspec.errors import ConfigError
 from dynaspec.plugins import triton_backend
 from dynaspec.plugins.torch_backend import TorchBackend
+from dynaspec.runtime.types import BuildContext, Shortlist
 from dynaspec.shortlisters.router import ClusterLayout
-from dynaspec.types import BuildContext, Shortlist
 
 pytest.importorskip("triton")
 

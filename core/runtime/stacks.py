@@ -6,9 +6,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
 
-from .config import StackConfig, merge, read_toml, stack_from_mapping
-from .errors import ConfigError
-from .registry import Registry, default_registry
+from dynaspec.errors import ConfigError
+from dynaspec.runtime.config import StackConfig, merge, read_toml, stack_from_mapping
+from dynaspec.runtime.registry import Registry, default_registry
 
 
 def builtin_stack_mappings() -> dict[str, dict[str, Any]]:

@@ -3,9 +3,9 @@ embedded Gemma 3 270M (from its PyPI package) and two tiny random models for tes
 
 from __future__ import annotations
 
-from .errors import ConfigError
-from .hookspecs import hookimpl
-from .registry import Component
+from dynaspec.errors import ConfigError
+from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.registry import Component
 
 
 def _no_params(name: str, params: dict) -> None:
@@ -14,7 +14,7 @@ def _no_params(name: str, params: dict) -> None:
 
 
 def _gemma(params: dict, ctx: None):
-    from .gemma import load_gemma_target
+    from dynaspec.plugins.gemma import load_gemma_target
 
     _no_params("gemma3-270m", params)
     return load_gemma_target()
@@ -22,7 +22,7 @@ def _gemma(params: dict, ctx: None):
 
 def _tiny(kind: str):
     def factory(params: dict, ctx: None):
-        from .targets import tiny_target
+        from dynaspec.plugins.tiny import tiny_target
 
         _no_params(f"tiny-{kind}", params)
         return tiny_target(kind)

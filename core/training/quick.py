@@ -13,8 +13,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .drafter import Drafter
-from .target import TargetModel
+from dynaspec.runtime.drafter import Drafter
+from dynaspec.runtime.target import TargetModel
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ same split.
 Prompt format: the embedded target is the **base** (pre-trained) Gemma 3 270M, not the ``-it``
 model: its GGUF is named "Gemma 3 270m", carries no chat template, and its tokenizer has none, so
 Gemma's ``<start_of_turn>`` turn format would be out of distribution. Its format is therefore the
-plain ``"User: {text}\\nAssistant:"`` (:data:`dynaspec.prompt.BASE_MODEL_FORMAT`), which the target
+plain ``"User: {text}\\nAssistant:"`` (:data:`dynaspec.runtime.prompt.BASE_MODEL_FORMAT`), which the target
 owns (``TargetModel.prompt_format``); the training data here is written in it.
 
 Slices (for reporting acceptance per kind of text): ``code``, ``non-english`` and ``english``, from a
@@ -29,8 +29,8 @@ import json
 import re
 from typing import Any, Iterator
 
-from .errors import ConfigError
-from .prompt import format_prompt  # noqa: F401 - the training data uses the embedded target's format
+from dynaspec.errors import ConfigError
+from dynaspec.runtime.prompt import format_prompt  # noqa: F401 - the training data uses the embedded target's format
 
 __all__ = [
     "EXPECTED_CONVERSATIONS",

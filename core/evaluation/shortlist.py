@@ -27,8 +27,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from .drafter import Drafter
-from .types import DraftStep
+from dynaspec.runtime.drafter import Drafter
+from dynaspec.runtime.types import DraftStep
 
 
 @torch.no_grad()
@@ -53,8 +53,8 @@ def evaluate_shortlisters(shards: Sequence[Path], target, drafter: Drafter, conf
     from safetensors import safe_open
     from tqdm import tqdm
 
-    from .data import conversation_slice, load_conversations
-    from .drafter_training import load_shard
+    from dynaspec.training.data import conversation_slice, load_conversations
+    from dynaspec.training.shards import load_shard
 
     slices = {c["id"]: conversation_slice(c) for c in load_conversations()}
     acc: dict[str, dict[str, dict[int, list[float]]]] = {}
@@ -179,3 +179,31 @@ def plot_report(report: dict[str, Any], path: Path, slice_name: str = "overall")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def run(stacks: list[str], work: list[str], out: Path, *, depth: int = 6,
+        max_positions: int | None = None) -> dict[str, Any]:
+    """``dynaspec eval-shortlist``: the report of :func:`evaluate_shortlisters` for ``stacks`` on the
+    dev shards of ``work``, printed, and written to ``out`` as JSON and PNG."""
+    from dynaspec.errors import ConfigError
+    from dynaspec.runtime.engine import Engine
+    from dynaspec.runtime.files import atomic_write
+    from dynaspec.training.shards import shard_paths
+
+    shards = [p for folder in work for p in shard_paths(folder)]
+    if not shards:
+        raise ConfigError(f"no shards in {' '.join(work)}: collect dev shards with "
+                          "`dynaspec train-drafter --stage collect --split dev --work DIR`")
+    configs, target, drafter = {}, None, None
+    # offline analysis of the shortlists: float32 throughout, whatever the stacks run in
+    for engine in Engine.from_stacks(stacks, overrides={"dtype": "float32"}):
+        target, drafter = engine.target, engine.drafter or drafter
+        configs[engine.stack.name] = (engine.shortlister, engine.scheduler)
+    report = evaluate_shortlisters(shards, target, drafter.float(), configs, depth=depth,
+                                   max_positions=max_positions)
+    print(format_report(report))
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "shortlist_eval.json", lambda p: Path(p).write_text(json.dumps(report, indent=2)))
+    plot_report(report, out / "recall_vs_size.png")
+    print(f"wrote {out / 'shortlist_eval.json'} and {out / 'recall_vs_size.png'}", file=sys.stderr)
+    return report

@@ -15,7 +15,7 @@ import statistics
 import time
 from typing import Any, Mapping, Sequence
 
-from .stats import DRAFT_KEYS
+from dynaspec.runtime.stats import DRAFT_KEYS
 
 
 def read_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:

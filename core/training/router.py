@@ -24,9 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dynaspec.drafter import Drafter
-
-from .router import Router, RouterConfig, cluster_digest, core_digest
+from dynaspec.runtime.drafter import Drafter
+from dynaspec.shortlisters.router import Router, RouterConfig, cluster_digest, core_digest
 
 
 @torch.no_grad()
@@ -91,7 +90,7 @@ def train_router(shards: list[Path], embed, assignment: torch.Tensor, clusters: 
     frequency core, for a core-aware router; ``special_ids`` (always on too) count as core."""
     from tqdm import tqdm
 
-    from dynaspec.drafter_training import load_shard
+    from dynaspec.training.shards import load_shard
 
     if len(shards) <= holdout:
         raise ValueError(f"need more than {holdout} shards (one is held out for recall)")
@@ -148,3 +147,54 @@ def train_router(shards: list[Path], embed, assignment: torch.Tensor, clusters: 
                          "held_out_recall": {str(k): round(v, 4) for k, v in recall.items()}}}
     router.save(out, meta)
     return meta["training"]
+
+
+def train_shards(folders: list[str], max_shards: int | None) -> list[Path]:
+    """Train-split shards of ``folders`` (first ``max_shards`` of each), ordered so that the last
+    shard of the first folder comes last: the one held out for recall."""
+    from dynaspec.errors import ConfigError
+    from dynaspec.training.shards import describe_shards, shard_paths
+
+    per_folder = []
+    for folder in folders:
+        found = shard_paths(folder)[:max_shards]
+        if not found:
+            raise ConfigError(f"no shards in {folder}: collect them with `dynaspec train-drafter --stage collect`")
+        per_folder.append(found)
+    first = per_folder[0]
+    shards = [*first[:-1], *[p for rest in per_folder[1:] for p in rest], first[-1]]
+    describe_shards(shards)  # refuses shards of another split than train
+    return shards
+
+
+def build_router(target_ref: str, work: list[str], clusters_ref: str, out: Path, *,
+                 drafter_ref: str | None = None, width: int = 1024, epochs: int = 3, lr: float = 2e-3,
+                 max_shards: int | None = None, core: int | None = None, frequency_ref: str | None = None,
+                 command: str = "") -> dict[str, Any]:
+    """``dynaspec train-router``: load the target, its clusters (and drafter, and the hybrid's
+    frequency core), train the router on the shards of ``work`` and write it to ``out``."""
+    from dynaspec.errors import ConfigError
+    from dynaspec.runtime.targets import load_drafter, load_target, resolve_artifact
+    from dynaspec.shortlisters.clusters import load_clusters
+
+    if (core is None) != (frequency_ref is None):
+        raise ConfigError("--core and --frequency go together: the hybrid's always-on core is the top "
+                          "--core tokens of the --frequency list")
+    if core is not None and core < 1:
+        raise ConfigError(f"--core {core} is invalid: must be at least 1")
+    target = load_target(target_ref)
+    fingerprint = target.fingerprint()
+    clusters = load_clusters(resolve_artifact(clusters_ref), fingerprint)
+    drafter = load_drafter(drafter_ref, target).float() if drafter_ref else None
+    shards = train_shards(work, max_shards)
+    core_ids = None
+    if core is not None:
+        from dynaspec.shortlisters.frequency import load_frequency
+
+        core_ids = load_frequency(resolve_artifact(frequency_ref), fingerprint)[0][:core]
+    return train_router(shards, target.embed, clusters["assignment"].long(), clusters["centroids"].shape[0],
+                        target.hidden_size, drafter=drafter, out=out, fingerprint=fingerprint,
+                        width=width, epochs=epochs, lr=lr, core_ids=core_ids,
+                        special_ids=target.special_token_ids,
+                        provenance={"command": command, "work": work, "clusters": clusters_ref,
+                                    "drafter": drafter_ref, "frequency": frequency_ref, "core": core})

@@ -11,8 +11,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from .errors import ConfigError
-from .kv_buffer import KVBuffer
+from dynaspec.errors import ConfigError
+from dynaspec.runtime.kv_buffer import KVBuffer
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 
@@ -43,7 +43,7 @@ def resolve_dtype(name: str, device: torch.device | str = "cpu", *, exact_in_bf1
 
 
 def stack_dtype(stack) -> torch.dtype:
-    """The dtype a :class:`~dynaspec.config.StackConfig` runs its target in."""
+    """The dtype a :class:`~dynaspec.runtime.config.StackConfig` runs its target in."""
     return resolve_dtype(stack.dtype, stack.device, exact_in_bf16=stack.exact_in_bfloat16)
 
 
@@ -55,7 +55,7 @@ def _layer_base():
 
 class KVLayer(_layer_base()):
     """One attention layer's cache as Hugging Face expects it, over a
-    :class:`~dynaspec.kv_buffer.KVBuffer`: ``update`` writes the new entries in place and returns
+    :class:`~dynaspec.runtime.kv_buffer.KVBuffer`: ``update`` writes the new entries in place and returns
     views of the filled part; :meth:`keep` compacts kept entries in place."""
 
     def __init__(self, capacity: int) -> None:
@@ -105,7 +105,7 @@ class TargetModel:
 
     def __init__(self, model: Any, tokenizer: Any = None, *, name: str = "target",
                  prompt_format: str | None = None) -> None:
-        from .prompt import BASE_MODEL_FORMAT
+        from dynaspec.runtime.prompt import BASE_MODEL_FORMAT
 
         self.model = model.eval().requires_grad_(False)  # the target is never trained here
         self.tokenizer = tokenizer
@@ -159,11 +159,15 @@ class TargetModel:
 
     def make_batch_invariant(self) -> dict[str, str]:
         """Patch the target's linear layers whose kernels round differently for different row
-        counts (:mod:`dynaspec.batch_invariance`), so a verified row equals the plain step's row;
+        counts (:mod:`dynaspec.runtime.batch_invariance`), so a verified row equals the plain step's row;
         returns and keeps (``batch_invariance``) the verdict per layer shape. Call it after the
         final :meth:`to`; it runs once."""
         if self.batch_invariance is None:
-            from .batch_invariance import install_rowwise_attention, invariant_linear, make_batch_invariant
+            from dynaspec.runtime.batch_invariance import (
+                install_rowwise_attention,
+                invariant_linear,
+                make_batch_invariant,
+            )
 
             report = make_batch_invariant(self.decoder)
             verdict, head = invariant_linear(self.lm_head_weight, self.lm_head_bias, rows=(2, 4, 6, 8))
@@ -217,7 +221,7 @@ class TargetModel:
     def format_prompt(self, user_text: str) -> str:
         """The prompt the target sees for one user message, in its own ``prompt_format``; every
         command (generate, eval, bench, the drafter's training) applies this one."""
-        from .prompt import format_prompt
+        from dynaspec.runtime.prompt import format_prompt
 
         return format_prompt(user_text, self.prompt_format)
 
@@ -245,7 +249,7 @@ class TargetModel:
         step would compute it.
         Returns the normed final hidden states, [T, d].
         """
-        from .batch_invariance import rowwise_chain
+        from dynaspec.runtime.batch_invariance import rowwise_chain
 
         past = cache.get_seq_length()
         mask = self._masks(past, positions, tree_mask)

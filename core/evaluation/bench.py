@@ -29,7 +29,7 @@ from typing import Any, Iterable, Sequence
 
 import attrs
 
-from .errors import InputError
+from dynaspec.errors import InputError
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 MULTI_TURN = "multi-turn conversation"
@@ -117,7 +117,7 @@ def _read_answers(path: Path) -> dict[str, dict[str, Any]]:
         good.append(line)
     clean = "".join(line + "\n" for line in good)
     if clean != text:  # drop the torn line so later appends start on a fresh line
-        from .files import atomic_write
+        from dynaspec.runtime.files import atomic_write
 
         atomic_write(path, lambda p: Path(p).write_text(clean, encoding="utf-8"))
     return out
@@ -133,7 +133,7 @@ def _append(path: Path, obj: dict[str, Any]) -> None:
 def answer(engine, question: Question, *, max_new_tokens: int, temperature: float, seed: int,
            prompt_format) -> dict[str, Any]:
     """All turns of one question; the Spec-Bench answer record (plus token ids and shortlist sizes)."""
-    from .evaluate import result_row
+    from dynaspec.evaluation.evaluate import result_row
 
     context = ""
     turns, new_tokens, wall, accept, ids, depth_sizes = [], [], [], [], [], defaultdict(list)
@@ -165,8 +165,8 @@ def run(stack_refs: Sequence[str], questions: Sequence[Question], out: Path, *, 
     """Answer every question with the baselines and the stacks (interleaved), then summarise."""
     from tqdm import tqdm
 
-    from .cost_model import read_bandwidth, weight_bytes
-    from .evaluate import build_engines
+    from dynaspec.evaluation.cost_model import read_bandwidth, weight_bytes
+    from dynaspec.evaluation.evaluate import build_engines
 
     out.mkdir(parents=True, exist_ok=True)
     engines, reference_of = build_engines(stack_refs, overrides, target)
@@ -219,9 +219,9 @@ def _aggregate(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
 
 def cost_of(records: dict[str, list[dict[str, Any]]], reference_of: dict[str, str], bandwidth: float,
             weights: dict[str, int]) -> dict[str, Any]:
-    """The cost model of every stack (:mod:`dynaspec.cost_model`), from answers that kept their
+    """The cost model of every stack (:mod:`dynaspec.evaluation.cost_model`), from answers that kept their
     per-turn statistics (answers written by older versions lack them and are left out)."""
-    from .cost_model import cost_figures
+    from dynaspec.evaluation.cost_model import cost_figures
 
     turns = {n: [t for r in recs for t in r.get("turn_stats", [])] for n, recs in records.items()}
     return {n: cost_figures(turns[n], turns[reference_of[n]], bandwidth=bandwidth, weights=weights[n])
@@ -275,7 +275,7 @@ def markdown(results: dict[str, Any]) -> str:
                      "distribution, not its draws)." if not results.get("greedy", True) else
                      "Exactness: no speculative stack ran, nothing to check.")
     if results.get("cost"):
-        from .cost_model import format_cost_table
+        from dynaspec.evaluation.cost_model import format_cost_table
 
         machine = results["machine"]
         lines += ["", "### Where the time goes", "",

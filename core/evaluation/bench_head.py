@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .types import BuildContext, Shortlist
+from dynaspec.runtime.types import BuildContext, Shortlist
 
 
 def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
@@ -46,7 +46,7 @@ def read_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
 def bench_head(weight: torch.Tensor, backends: dict[str, Any], sizes: Sequence[int], rows: Sequence[int],
                dtypes: Sequence[torch.dtype], *, repeats: int = 7, seed: int = 0) -> dict[str, Any]:
     """Median seconds per head product for every (dtype, rows, size, backend)."""
-    from .registry import default_registry
+    from dynaspec.runtime.registry import default_registry
 
     gen = torch.Generator().manual_seed(seed)
     vocab, d = weight.shape
@@ -129,7 +129,7 @@ def draft_step_breakdown(stack_refs: Sequence[str], prompts: Sequence[str], *, m
     ``draft_core`` includes the drafter's catch-up pass over the tokens committed by the previous
     cycle, so it is the whole drafter-layer cost of a cycle spread over its steps.
     """
-    from .engine import Engine
+    from dynaspec.runtime.engine import Engine
 
     engines = Engine.from_stacks(stack_refs, overrides=overrides)
     totals = {e.stack.name: {"steps": 0, "times": dict.fromkeys(STEP_KEYS, 0.0), "sizes": [], "mal": []}
@@ -169,3 +169,35 @@ def format_breakdown(report: dict[str, Any]) -> str:
                      f"{f['ratio_to_first']:.3f} | {f['mean_shortlist_size']:,.0f} | "
                      f"{f['mean_accepted_length']:.2f} |")
     return "\n".join(lines)
+
+
+def run(target_ref: str, out, *, backends: Sequence[str], sizes: Sequence[int], rows: Sequence[int],
+        dtypes: Sequence[str], repeats: int, breakdown: Sequence[str] = (), breakdown_prompts: int = 4,
+        breakdown_tokens: int = 48, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``dynaspec bench-head``: time the head per backend (and optionally whole generations), print
+    the tables and write ``bench_head.json`` and ``bench_head.png`` to ``out``."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from dynaspec.runtime.files import atomic_write
+    from dynaspec.runtime.targets import load_target
+
+    target = load_target(target_ref)
+    torch_dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in dtypes]
+    report = bench_head(target.lm_head_weight, backends, sizes, rows, torch_dtypes, repeats=repeats)
+    print(format_table(report))
+    if breakdown:
+        from dynaspec.evaluation.bench import parse_questions
+
+        prompts = [q.turns[0] for q in parse_questions(None)][:breakdown_prompts]
+        report["draft_step_breakdown"] = draft_step_breakdown(breakdown, prompts, max_new_tokens=breakdown_tokens,
+                                                              overrides=overrides or {})
+        print()
+        print(format_breakdown(report["draft_step_breakdown"]))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "bench_head.json", lambda p: Path(p).write_text(json.dumps(report, indent=2)))
+    plot(report, out / "bench_head.png")
+    print(f"wrote {out / 'bench_head.json'} and {out / 'bench_head.png'}", file=sys.stderr)
+    return report

@@ -112,7 +112,7 @@ def invariant_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
                      rows: tuple[int, ...] = PROBE_ROWS) -> tuple[str, Callable | None]:
     """:func:`probe_linear`, remembered per machine (torch build, processor, GPU) in the cache
     root: the probe reads large products and costs seconds; its answer never changes there."""
-    from .cache import read_json, update_json
+    from dynaspec.runtime.cache import read_json, update_json
 
     key = "|".join([_machine(), "x".join(map(str, weight.shape)), str(weight.dtype), weight.device.type,
                     str(bias is not None), ",".join(map(str, rows))])

@@ -37,7 +37,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from .errors import ConfigError
+from dynaspec.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -177,7 +177,7 @@ class StackConfig:
     @property
     def exact_in_bfloat16(self) -> bool:
         """Plain decoding and chains verify bit for bit against plain decoding in bfloat16 (see
-        :mod:`dynaspec.batch_invariance`); a tree's rows attend to scattered ancestors, which no
+        :mod:`dynaspec.runtime.batch_invariance`); a tree's rows attend to scattered ancestors, which no
         plain step lays out alike, so a tree is exact there only up to rounding."""
         return self.drafter is None or self.draft.mode == "chain" or self.draft.topk == 1
 

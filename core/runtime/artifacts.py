@@ -13,8 +13,8 @@ from typing import Any, Mapping
 
 import torch
 
-from .errors import ArtifactMismatchError, ConfigError
-from .files import atomic_write
+from dynaspec.errors import ArtifactMismatchError, ConfigError
+from dynaspec.runtime.files import atomic_write
 
 
 def write_artifact(path: str | Path, filename: str, fmt: str, tensors: Mapping[str, torch.Tensor],

@@ -1,8 +1,8 @@
 """Prompt formats: how a target wants one user message written.
 
-A target owns its format (:attr:`dynaspec.target.TargetModel.prompt_format`). The embedded Gemma 3
+A target owns its format (:attr:`dynaspec.runtime.target.TargetModel.prompt_format`). The embedded Gemma 3
 270M is the *base* model, without a chat template, so its format is the plain
-``"User: {text}\\nAssistant:"`` (see :mod:`dynaspec.data` for why), which is also what the shipped
+``"User: {text}\\nAssistant:"`` (see :mod:`dynaspec.training.data` for why), which is also what the shipped
 drafter was trained on. The tokenizer adds ``<bos>`` itself, so formats carry none.
 """
 

@@ -13,9 +13,9 @@ import statistics
 import sys
 from typing import Any, Sequence
 
-from .data import SLICES, dev_protocol_prompts
-from .engine import Engine
-from .errors import ConfigError
+from dynaspec.errors import ConfigError
+from dynaspec.runtime.engine import Engine
+from dynaspec.training.data import SLICES, dev_protocol_prompts
 
 
 def evaluate(stacks: Sequence[str], *, prompts: int = 40, max_new_tokens: int = 64,
@@ -34,7 +34,7 @@ def evaluate(stacks: Sequence[str], *, prompts: int = 40, max_new_tokens: int = 
 
     from tqdm import tqdm
 
-    from .data import training_prompts
+    from dynaspec.training.data import training_prompts
 
     if split == "dev":
         source = iter(dev_protocol_prompts(1 << 30 if slice_name else prompts, max_chars))
@@ -46,7 +46,7 @@ def evaluate(stacks: Sequence[str], *, prompts: int = 40, max_new_tokens: int = 
         source = (item for item in source if item["slice"] == slice_name)
     pool = list(itertools.islice(source, prompts))
     items = pool[part[0]::part[1]]
-    from .cost_model import read_bandwidth, weight_bytes
+    from dynaspec.evaluation.cost_model import read_bandwidth, weight_bytes
 
     engines, reference_of = build_engines(stacks, overrides, target)
     bandwidth = read_bandwidth()
@@ -82,9 +82,9 @@ def build_engines(stacks: Sequence[str], overrides: dict[str, Any] | None,
     baseline per target dtype and device among the stacks (named ``baseline``, or
     ``baseline-<dtype>-<device>`` when the stacks differ), all sharing one loaded target per dtype
     and device. Returns the engines, baselines first, and each engine's reference baseline."""
-    from .registry import default_registry
-    from .stacks import resolve_stack
-    from .target import stack_dtype
+    from dynaspec.runtime.registry import default_registry
+    from dynaspec.runtime.stacks import resolve_stack
+    from dynaspec.runtime.target import stack_dtype
 
     configs = [resolve_stack(ref, overrides=overrides) for ref in stacks if ref != "baseline"]
     if not configs:
@@ -135,8 +135,8 @@ def merge(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def costs(rows: dict[str, list[dict[str, Any]]], reference_of: dict[str, str], bandwidth: float,
           weights: dict[str, int]) -> dict[str, Any]:
-    """:func:`dynaspec.cost_model.cost_figures` of every engine against its baseline."""
-    from .cost_model import cost_figures
+    """:func:`dynaspec.evaluation.cost_model.cost_figures` of every engine against its baseline."""
+    from dynaspec.evaluation.cost_model import cost_figures
 
     return {n: cost_figures(rows[n], rows[reference_of[n]], bandwidth=bandwidth, weights=weights[n])
             for n in rows}

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .artifacts import check_fingerprint
-from .errors import ArtifactMismatchError, ConfigError
-from .files import atomic_write
-from .kv_buffer import KVBuffer
+from dynaspec.errors import ArtifactMismatchError, ConfigError
+from dynaspec.runtime.artifacts import check_fingerprint
+from dynaspec.runtime.files import atomic_write
+from dynaspec.runtime.kv_buffer import KVBuffer
 
 __all__ = ["Drafter", "DrafterConfig", "DraftCache", "atomic_write", "check_drafter_shape", "check_fingerprint"]
 
@@ -104,7 +104,7 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
 
 
 class DraftCache(KVBuffer):
-    """KV cache of the drafter's one layer (:class:`~dynaspec.kv_buffer.KVBuffer`); ``crop`` drops
+    """KV cache of the drafter's one layer (:class:`~dynaspec.runtime.kv_buffer.KVBuffer`); ``crop`` drops
     the speculative entries of a cycle without copying."""
 
 

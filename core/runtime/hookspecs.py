@@ -17,7 +17,7 @@ The four component families map onto the four steps of a speculative cycle:
 Plugins may also ship named stacks (``dynaspec_stacks``) and target models (``dynaspec_targets``).
 
 Each hook takes no arguments (arguments may be added later, never removed or renamed) and returns a
-list of :class:`dynaspec.registry.Component` (or stack specs), or ``None`` to decline.
+list of :class:`dynaspec.runtime.registry.Component` (or stack specs), or ``None`` to decline.
 
 A plugin author needs one import::
 
@@ -70,7 +70,7 @@ def dynaspec_verifiers():  # type: ignore[empty-body]
     """Return verifier components (``verify``), or None to decline.
 
     A verifier factory is called as ``factory(params: dict, ctx: BuildContext)``; see
-    :class:`dynaspec.protocols.Verifier` for the object it returns.
+    :class:`dynaspec.runtime.protocols.Verifier` for the object it returns.
     """
 
 
@@ -84,6 +84,6 @@ def dynaspec_targets():  # type: ignore[empty-body]
     """Return target components, or None to decline.
 
     A target factory is called as ``factory(params: dict, ctx: None)`` and returns a
-    :class:`dynaspec.target.TargetModel` (any Hugging Face causal LM wrapped with its tokenizer).
+    :class:`dynaspec.runtime.target.TargetModel` (any Hugging Face causal LM wrapped with its tokenizer).
     A stack names it in its ``target`` field.
     """

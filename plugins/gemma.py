@@ -38,9 +38,9 @@ from importlib.metadata import version as _dist_version
 from pathlib import Path
 from typing import Any
 
-from .cache import cache_root
-from .errors import ConfigError
-from .target import TargetModel
+from dynaspec.errors import ConfigError
+from dynaspec.runtime.cache import cache_root
+from dynaspec.runtime.target import TargetModel
 
 __all__ = ["GEMMA_TARGET_NAME", "gemma_cache_dir", "load_gemma_target"]
 
@@ -323,7 +323,7 @@ def _load_converted(folder: Path) -> TargetModel:
 
 
 def load_gemma_target() -> TargetModel:
-    """Gemma 3 270M (base model, float32, CPU) as a :class:`~dynaspec.target.TargetModel`.
+    """Gemma 3 270M (base model, float32, CPU) as a :class:`~dynaspec.runtime.target.TargetModel`.
 
     The first call converts the packaged GGUF and caches the result (one to two minutes, with
     progress on stderr); later calls load the cached copy in a few seconds. A damaged cache is

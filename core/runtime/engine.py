@@ -17,14 +17,14 @@ from typing import Any, Iterator, Mapping, Sequence
 import attrs
 import torch
 
-from .config import StackConfig
-from .drafter import DraftCache, Drafter, check_drafter_shape
-from .errors import ConfigError, InputError
-from .protocols import DecodeParams
-from .registry import Registry, default_registry
-from .stats import GenerationStats
-from .tree import DraftTree
-from .types import BuildContext, DraftStep, Shortlist
+from dynaspec.errors import ConfigError, InputError
+from dynaspec.runtime.config import StackConfig
+from dynaspec.runtime.drafter import DraftCache, Drafter, check_drafter_shape
+from dynaspec.runtime.protocols import DecodeParams
+from dynaspec.runtime.registry import Registry, default_registry
+from dynaspec.runtime.stats import GenerationStats
+from dynaspec.runtime.tree import DraftTree
+from dynaspec.runtime.types import BuildContext, DraftStep, Shortlist
 
 #: prompts longer than this are prefilled in chunks of PREFILL_CHUNK tokens, with a progress bar
 LONG_PROMPT = 2048
@@ -128,9 +128,9 @@ class Engine:
                    target=None, drafter: Drafter | None = None) -> "Engine":
         """Resolve a stack (built-in name, plugin name or TOML file), load its target and drafter
         (unless given) and build its components."""
-        from .stacks import resolve_stack
-        from .target import stack_dtype
-        from .targets import load_drafter, load_target
+        from dynaspec.runtime.stacks import resolve_stack
+        from dynaspec.runtime.target import stack_dtype
+        from dynaspec.runtime.targets import load_drafter, load_target
 
         registry = registry or default_registry()
         config = resolve_stack(stack, overrides=overrides, registry=registry)
@@ -155,8 +155,8 @@ class Engine:
         """Engines for several stacks that share what they can: one loaded target per dtype and
         device, and one drafter per drafter artifact on each. ``target`` (optional) serves the
         stacks whose dtype and device it has."""
-        from .stacks import resolve_stack
-        from .target import stack_dtype
+        from dynaspec.runtime.stacks import resolve_stack
+        from dynaspec.runtime.target import stack_dtype
 
         registry = registry or default_registry()
         targets, drafters, engines = {}, {}, []
@@ -495,6 +495,6 @@ def _cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
 
 
 def _resolve_artifact(ref: str) -> str:
-    from .targets import resolve_artifact
+    from dynaspec.runtime.targets import resolve_artifact
 
     return str(resolve_artifact(ref))

@@ -10,8 +10,8 @@ from typing import Protocol, Sequence, runtime_checkable
 import attrs
 import torch
 
-from .tree import DraftTree
-from .types import DraftStep, Shortlist
+from dynaspec.runtime.tree import DraftTree
+from dynaspec.runtime.types import DraftStep, Shortlist
 
 
 @attrs.frozen

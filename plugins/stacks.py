@@ -1,7 +1,7 @@
 """The built-in stacks, contributed through the plugin hook like any plugin's stacks."""
 
-from .hookspecs import hookimpl
-from .stacks import builtin_stack_mappings
+from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.stacks import builtin_stack_mappings
 
 
 @hookimpl

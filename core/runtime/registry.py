@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterable
 import attrs
 import pluggy
 
-from . import hookspecs
-from .errors import DuplicateComponentError, PluginLoadError, UnknownComponentError
+from dynaspec.errors import DuplicateComponentError, PluginLoadError, UnknownComponentError
+from dynaspec.runtime import hookspecs
 
 #: Component families and the hook that provides each.
 KINDS: dict[str, str] = {
@@ -191,7 +191,7 @@ class Registry:
         return entry.component
 
     def check_stack(self, stack: Any) -> None:
-        """Raise for any component a :class:`~dynaspec.config.StackConfig` names that no plugin
+        """Raise for any component a :class:`~dynaspec.runtime.config.StackConfig` names that no plugin
         provides: cheap, so commands call it before loading a model."""
         from pathlib import Path
 

