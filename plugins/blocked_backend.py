@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dynaspec.errors import ConfigError
 from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.params import NoParams
 from dynaspec.runtime.registry import Component
 from dynaspec.runtime.types import BuildContext, Shortlist
 
@@ -43,16 +43,12 @@ class BlockedBackend(TorchBackend):
         return torch.cat(parts, dim=1).float()
 
 
-def _blocked(params: dict, ctx: BuildContext) -> BlockedBackend:
-    if params:
-        raise ConfigError(f"backend 'torch-blocked' takes no parameters, got {sorted(params)}")
+def _blocked(params: NoParams, ctx: BuildContext) -> BlockedBackend:
     return BlockedBackend(ctx.lm_head_weight, ctx.head_layout)
 
 
-def _auto(params: dict, ctx: BuildContext):
+def _auto(params: NoParams, ctx: BuildContext):
     """``triton`` where the target runs on CUDA and Triton is installed, else ``torch-blocked``."""
-    if params:
-        raise ConfigError(f"backend 'auto' takes no parameters, got {sorted(params)}")
     if torch.device(ctx.device).type == "cuda":
         from .triton_backend import TritonBackend, unavailable_reason
 
@@ -64,5 +60,7 @@ def _auto(params: dict, ctx: BuildContext):
 @hookimpl
 def dynaspec_backends():
     return [Component("torch-blocked", _blocked,
-                      "LM head permuted once into the shortlister's layout; contiguous slices, no gather"),
-            Component("auto", _auto, "triton on CUDA (when installed), torch-blocked elsewhere")]
+                      "LM head permuted once into the shortlister's layout; contiguous slices, no gather",
+                      params=NoParams),
+            Component("auto", _auto, "triton on CUDA (when installed), torch-blocked elsewhere",
+                      params=NoParams)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dynaspec.errors import ConfigError
 from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.params import NoParams
 from dynaspec.runtime.registry import Component
 from dynaspec.runtime.types import BuildContext, Shortlist
 
@@ -30,12 +30,10 @@ class TorchBackend:
         return F.linear(hidden, rows).float()
 
 
-def _torch(params: dict, ctx: BuildContext) -> TorchBackend:
-    if params:
-        raise ConfigError(f"backend 'torch' takes no parameters, got {sorted(params)}")
+def _torch(params: NoParams, ctx: BuildContext) -> TorchBackend:
     return TorchBackend(ctx.lm_head_weight)
 
 
 @hookimpl
 def dynaspec_backends():
-    return [Component("torch", _torch, "index_select of shortlisted LM-head rows + matmul")]
+    return [Component("torch", _torch, "index_select of shortlisted LM-head rows + matmul", params=NoParams)]

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import os
 
+import attrs
 import torch
 
 from dynaspec.errors import ConfigError
 from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.params import param, positive_int
 from dynaspec.runtime.registry import Component
 from dynaspec.runtime.types import BuildContext, Shortlist
 
@@ -97,12 +99,20 @@ class TritonBackend:
         return best, ids.long()[col], torch.logsumexp(lse, dim=1)
 
 
-def _triton(params: dict, ctx: BuildContext) -> TritonBackend:
-    params = dict(params)
-    block_n = params.pop("block_n", 64)
-    block_d = params.pop("block_d", 64)
-    if params:
-        raise ConfigError(f"backend 'triton' has no parameter(s) {sorted(params)}; it takes 'block_n', 'block_d'")
+def _power_of_two(value) -> bool:
+    return positive_int(value) and value & (value - 1) == 0 and value >= 16
+
+
+@attrs.frozen
+class TritonParams:
+    block_n: int = param(64, help="shortlisted rows per program", unit="rows", check=_power_of_two,
+                         rule="must be a power of two >= 16")
+    block_d: int = param(64, help="hidden dimensions per inner step", unit="columns", check=_power_of_two,
+                         rule="must be a power of two >= 16")
+
+
+def _triton(params: TritonParams, ctx: BuildContext) -> TritonBackend:
+    block_n, block_d = params.block_n, params.block_d
     reason = unavailable_reason()
     if reason:
         raise ConfigError(f"backend 'triton' is unavailable: {reason}")
@@ -115,4 +125,5 @@ def _triton(params: dict, ctx: BuildContext) -> TritonBackend:
 
 @hookimpl
 def dynaspec_backends():
-    return [Component("triton", _triton, "fused gather + GEMM kernel (CUDA; TRITON_INTERPRET=1 on CPU)")]
+    return [Component("triton", _triton, "fused gather + GEMM kernel (CUDA; TRITON_INTERPRET=1 on CPU)",
+                      params=TritonParams)]

@@ -7,10 +7,11 @@ distribution (temperature and top-p applied to the target as in plain sampling).
 
 from __future__ import annotations
 
+import attrs
 import torch
 
-from dynaspec.errors import ConfigError
 from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.params import NoParams, is_number, param
 from dynaspec.runtime.protocols import DecodeParams
 from dynaspec.runtime.registry import Component
 from dynaspec.runtime.tree import DraftTree
@@ -111,31 +112,30 @@ class SamplingVerifier:
             node = accepted
 
 
-def _greedy(params, ctx):
-    if params:
-        raise ConfigError(f"verifier 'greedy' takes no parameters, got {sorted(params)}")
+def _greedy(params: NoParams, ctx):
     return GreedyVerifier()
 
 
-def _sampling(params, ctx):
-    if params:
-        raise ConfigError(f"verifier 'sampling' takes no parameters, got {sorted(params)}")
+def _sampling(params: NoParams, ctx):
     return SamplingVerifier()
 
 
-def _auto(params, ctx):
-    params = dict(params)
-    temperature = float(params.pop("temperature", 0.0))
-    if params:
-        raise ConfigError(f"verifier 'auto' takes no parameters, got {sorted(params)}")
-    return GreedyVerifier() if temperature == 0 else SamplingVerifier()
+@attrs.frozen
+class AutoParams:
+    temperature: float = param(0.0, help="the generation's temperature (the engine sets it per generation)",
+                               check=lambda v: is_number(v) and v >= 0, rule="must be a number >= 0")
+
+
+def _auto(params: AutoParams, ctx):
+    return GreedyVerifier() if params.temperature == 0 else SamplingVerifier()
 
 
 @hookimpl
 def dynaspec_verifiers():
     return [
-        Component("auto", _auto, "greedy at temperature 0, lossless sampling above (the default)"),
-        Component("greedy", _greedy, "accept while the draft equals the target argmax"),
+        Component("auto", _auto, "greedy at temperature 0, lossless sampling above (the default)",
+                  params=AutoParams),
+        Component("greedy", _greedy, "accept while the draft equals the target argmax", params=NoParams),
         Component("sampling", _sampling,
-                  "lossless speculative sampling, recursive rejection over siblings"),
+                  "lossless speculative sampling, recursive rejection over siblings", params=NoParams),
     ]

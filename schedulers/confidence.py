@@ -13,17 +13,33 @@ miss at depth ``t`` loses every later token of the chain too, so early depths ar
 
 from __future__ import annotations
 
+import attrs
 import torch
 
-from dynaspec.errors import ConfigError
-from dynaspec.runtime.config import require_positive_int
 from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.params import budget_unit, fraction, param, positive_int
 from dynaspec.runtime.registry import Component
 
 
+def _masses(value) -> bool:
+    return fraction(value) or (isinstance(value, list) and bool(value) and all(map(fraction, value)))
+
+
+@attrs.frozen
+class ConfidenceParams:
+    k_max: int = param(128, help="most clusters at draft depths 0 and 1 (fewer deeper)", check=positive_int,
+                       rule="must be an integer >= 1")
+    k_min: int = param(4, help="fewest clusters at any depth", check=positive_int, rule="must be an integer >= 1")
+    mass: float | list = param(0.95, help="router probability mass to cover (one number, or one per depth)",
+                               check=_masses, rule="must be a number (or a list of numbers, one per draft "
+                               "depth) with 0 < mass <= 1")
+    unit: str = param("clusters", help="what k_max and k_min count (the router's clusters)",
+                      check=budget_unit, rule="must be 'tokens' or 'clusters'")
+
+
 class ConfidenceBudget:
-    def __init__(self, k_max: int, k_min: int, masses: list[float]) -> None:
-        self.k_max, self.k_min = k_max, k_min
+    def __init__(self, k_max: int, k_min: int, masses: list[float], unit: str = "clusters") -> None:
+        self.k_max, self.k_min, self.unit = k_max, k_min, unit
         self.masses = tuple(masses)  # one per depth; the last serves every deeper step
 
     @property
@@ -45,25 +61,13 @@ class ConfidenceBudget:
         return max(min(self.k_min, cap), min(needed, cap))
 
 
-def _confidence(params, ctx):
-    params = dict(params)
-    k_max = params.pop("k_max", 128)
-    k_min = params.pop("k_min", 4)
-    mass = params.pop("mass", 0.95)
-    if params:
-        raise ConfigError(f"scheduler 'confidence' has no parameter(s) {sorted(params)}; "
-                          "it takes 'k_max', 'k_min' and 'mass'")
-    require_positive_int("scheduler.k_max", k_max)
-    require_positive_int("scheduler.k_min", k_min)
-    masses = mass if isinstance(mass, list) else [mass]
-    if not masses or not all(isinstance(m, (int, float)) and not isinstance(m, bool) and 0 < m <= 1
-                             for m in masses):
-        raise ConfigError(f"scheduler.mass = {mass!r} is invalid: must be a number (or a list of "
-                          "numbers, one per draft depth) with 0 < mass <= 1")
-    return ConfidenceBudget(k_max, k_min, [float(m) for m in masses])
+def _confidence(params: ConfidenceParams, ctx) -> ConfidenceBudget:
+    masses = params.mass if isinstance(params.mass, list) else [params.mass]
+    return ConfidenceBudget(params.k_max, params.k_min, [float(m) for m in masses], params.unit)
 
 
 @hookimpl
 def dynaspec_schedulers():
     return [Component("confidence", _confidence,
-                      "fewest clusters holding `mass` of the router's probability, capped by depth")]
+                      "fewest clusters holding `mass` of the router's probability, capped by depth",
+                      params=ConfidenceParams)]

@@ -7,17 +7,26 @@ shortlist.
 
 from __future__ import annotations
 
-from dynaspec.errors import ConfigError
-from dynaspec.runtime.config import require_positive_int
+import attrs
+
 from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.params import budget_unit, param, positive_int
 from dynaspec.runtime.registry import Component
 
 
-class PositionAware:
-    """Budget ``k_max`` at depths 0 and 1, then ``k_max // ((t + 1) * 2)``."""
+@attrs.frozen
+class PositionAwareParams:
+    k_max: int = param(32768, help="shortlist size at draft depths 0 and 1", check=positive_int,
+                       rule="must be an integer >= 1")
+    unit: str = param("tokens", help="what `k_max` counts: tokens, or clusters for the router",
+                      check=budget_unit, rule="must be 'tokens' or 'clusters'")
 
-    def __init__(self, k_max: int) -> None:
-        self.k_max = k_max
+
+class PositionAware:
+    """Budget ``k_max`` at depths 0 and 1, then ``k_max // ((t + 1) * 2)``, in ``unit``."""
+
+    def __init__(self, k_max: int, unit: str = "tokens") -> None:
+        self.k_max, self.unit = k_max, unit
 
     def budget(self, *, depth: int, scores=None) -> int:
         if depth <= 1:
@@ -25,15 +34,12 @@ class PositionAware:
         return max(1, self.k_max // ((depth + 1) * 2))
 
 
-def _position_aware(params, ctx):
-    params = dict(params)
-    k_max = params.pop("k_max", params.pop("budget", 32768))
-    if params:
-        raise ConfigError(f"scheduler 'position-aware' has no parameter(s) {sorted(params)}; it takes 'k_max'")
-    return PositionAware(require_positive_int("scheduler.k_max", k_max))
+def _position_aware(params: PositionAwareParams, ctx) -> PositionAware:
+    return PositionAware(params.k_max, params.unit)
 
 
 @hookimpl
 def dynaspec_schedulers():
     return [Component("position-aware", _position_aware,
-                      "k_max at depths 0-1, then k_max // ((t+1)*2) (DynaSpec paper)")]
+                      "k_max at depths 0-1, then k_max // ((t+1)*2) (DynaSpec paper)",
+                      params=PositionAwareParams)]

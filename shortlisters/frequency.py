@@ -12,11 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
-from dynaspec.errors import ConfigError
 from dynaspec.runtime.artifacts import read_artifact, write_artifact
 from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.params import is_text, non_negative_int, param
 from dynaspec.runtime.registry import Component
 from dynaspec.runtime.types import BuildContext, Shortlist
 
@@ -40,6 +41,8 @@ def load_frequency(path: str | Path, fingerprint: dict[str, Any] | None) -> tupl
 class FrequencyShortlister:
     """The top-``budget`` tokens of a frequency ranking (special tokens first); with ``context = N``,
     plus the distinct tokens of the last ``N`` committed tokens ranked below the budget (a tail)."""
+
+    budget_unit = "tokens"
 
     def __init__(self, ranked: torch.Tensor, special: tuple[int, ...], vocab_size: int, *,
                  context: int = 0, device: torch.device | str = "cpu") -> None:
@@ -71,28 +74,26 @@ class FrequencyShortlister:
         return Shortlist(torch.cat([top.token_ids, tail]), spans=top.spans) if tail.numel() else top
 
 
-def pop_context(params: dict) -> int:
-    """Take and check a shortlister's ``context`` parameter (0, the default, adds nothing)."""
-    context = params.pop("context", 0)
-    if not isinstance(context, int) or isinstance(context, bool) or context < 0:
-        raise ConfigError(f"shortlister.context = {context!r} is invalid: must be an integer >= 0 "
-                          "(how many of the last committed tokens join the shortlist)")
-    return context
+def context_param() -> int:
+    """The ``context`` parameter the shortlisters share."""
+    return param(0, help="how many of the last committed tokens join the shortlist", unit="tokens",
+                 check=non_negative_int, rule="must be an integer >= 0")
 
 
-def _frequency(params: dict, ctx: BuildContext) -> FrequencyShortlister:
-    params = dict(params)
-    path, context = params.pop("path", None), pop_context(params)
-    if params:
-        raise ConfigError(f"shortlister 'frequency' has no parameter(s) {sorted(params)}; "
-                          "it takes 'path' and 'context'")
-    if not path:
-        raise ConfigError("shortlister 'frequency' needs 'path': a frequency list (see `dynaspec build-frequency`)")
-    ranked, _ = load_frequency(ctx.resolve_artifact(str(path)), dict(ctx.target_fingerprint))
-    return FrequencyShortlister(ranked, ctx.special_token_ids, ctx.vocab_size, context=context,
+@attrs.frozen
+class FrequencyParams:
+    path: str = param(help="a frequency list: a built-in artifact name or a path (see `dynaspec "
+                      "build-frequency`)", check=is_text, rule="must be a non-empty string")
+    context: int = context_param()
+
+
+def _frequency(params: FrequencyParams, ctx: BuildContext) -> FrequencyShortlister:
+    ranked, _ = load_frequency(ctx.resolve_artifact(params.path), dict(ctx.target_fingerprint))
+    return FrequencyShortlister(ranked, ctx.special_token_ids, ctx.vocab_size, context=params.context,
                                 device=ctx.device)
 
 
 @hookimpl
 def dynaspec_shortlisters():
-    return [Component("frequency", _frequency, "static top-k of a frequency ranking (FR-Spec / VocabTrim)")]
+    return [Component("frequency", _frequency, "static top-k of a frequency ranking (FR-Spec / VocabTrim)",
+                      params=FrequencyParams)]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dynaspec.errors import ConfigError
 from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.params import NoParams
 from dynaspec.runtime.registry import Component
 from dynaspec.runtime.types import Shortlist
 
@@ -11,16 +11,16 @@ from dynaspec.runtime.types import Shortlist
 class FullVocabulary:
     """Always the full vocabulary (EAGLE's draft head)."""
 
+    budget_unit = "tokens"
+
     def propose(self, step, scheduler) -> Shortlist:
         return Shortlist.full()
 
 
-def _full(params, ctx):
-    if params:
-        raise ConfigError(f"shortlister 'full' takes no parameters, got {sorted(params)}")
+def _full(params: NoParams, ctx) -> FullVocabulary:
     return FullVocabulary()
 
 
 @hookimpl
 def dynaspec_shortlisters():
-    return [Component("full", _full, "the whole vocabulary (EAGLE)")]
+    return [Component("full", _full, "the whole vocabulary (EAGLE)", params=NoParams)]

@@ -24,11 +24,12 @@ from torch import nn
 from dynaspec.errors import ConfigError
 from dynaspec.runtime.artifacts import read_artifact, write_artifact
 from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.params import is_text, non_negative_int, param
 from dynaspec.runtime.registry import Component
 from dynaspec.runtime.types import BuildContext, DraftStep, Shortlist
 
 from .clusters import load_clusters
-from .frequency import load_frequency, pop_context
+from .frequency import context_param, load_frequency
 
 FORMAT = "dynaspec-router/1"
 FILE = "router.safetensors"
@@ -158,17 +159,34 @@ class DynaSpecShortlister:
         return self.layout.shortlist([m for row in rows for m in row], recent)
 
 
-def _dynaspec(params: dict, ctx: BuildContext, core_sha: str | None = None) -> DynaSpecShortlister:
-    params = dict(params)
-    clusters_path, router_path = params.pop("clusters", None), params.pop("router", None)
-    per_row = bool(params.pop("per_row", False))
-    context = pop_context(params)
-    if params:
-        raise ConfigError(f"shortlister 'dynaspec' has no parameter(s) {sorted(params)}; "
-                          "it takes 'clusters', 'router', 'per_row' and 'context'")
-    if not clusters_path or not router_path:
-        raise ConfigError("shortlister 'dynaspec' needs 'clusters' and 'router' artifacts "
-                          "(see `dynaspec build-clusters` and `dynaspec train-router`)")
+def _artifact(what: str) -> Any:
+    return param(help=what, check=is_text, rule="must be a non-empty string (an artifact name or a path)")
+
+
+@attrs.frozen
+class DynaSpecParams:
+    clusters: str = _artifact("the vocabulary's clusters (see `dynaspec build-clusters`)")
+    router: str = _artifact("the router over those clusters (see `dynaspec train-router`)")
+    per_row: bool = param(False, help="one shortlist per draft row instead of their union",
+                          check=lambda v: isinstance(v, bool), rule="must be true or false")
+    context: int = context_param()
+
+
+@attrs.frozen
+class HybridParams:
+    clusters: str = _artifact("the vocabulary's clusters (see `dynaspec build-clusters`)")
+    router: str = _artifact("a router trained with --core/--frequency for this core")
+    frequency: str = _artifact("the frequency list whose top `core` tokens are always on")
+    core: int = param(2048, help="always-on frequent tokens", unit="tokens", check=non_negative_int,
+                      rule="must be an integer >= 0")
+    per_row: bool = param(False, help="one shortlist per draft row instead of their union",
+                          check=lambda v: isinstance(v, bool), rule="must be true or false")
+    context: int = context_param()
+
+
+def _dynaspec(params: DynaSpecParams | HybridParams, ctx: BuildContext,
+              core_sha: str | None = None) -> DynaSpecShortlister:
+    clusters_path, router_path = params.clusters, params.router
     fingerprint = dict(ctx.target_fingerprint)
     data = load_clusters(ctx.resolve_artifact(str(clusters_path)), fingerprint)
     router, meta = Router.load(ctx.resolve_artifact(str(router_path)), fingerprint)
@@ -186,19 +204,13 @@ def _dynaspec(params: dict, ctx: BuildContext, core_sha: str | None = None) -> D
                           f"{trained}; use it with shortlister 'hybrid' and that same 'frequency' list "
                           "and 'core' size")
     layout = ClusterLayout(data["assignment"], m, ctx.special_token_ids, device=ctx.device)
-    return DynaSpecShortlister(router, layout, per_row=per_row, context=context)
+    return DynaSpecShortlister(router, layout, per_row=params.per_row, context=params.context)
 
 
-def _hybrid(params: dict, ctx: BuildContext) -> DynaSpecShortlister:
+def _hybrid(params: HybridParams, ctx: BuildContext) -> DynaSpecShortlister:
     """The routed clusters united with an always-on core of the most frequent tokens."""
-    params = dict(params)
-    core_path, core = params.pop("frequency", None), params.pop("core", 2048)
-    if not core_path:
-        raise ConfigError("shortlister 'hybrid' needs 'frequency' (a frequency list) besides "
-                          "'clusters' and 'router'")
-    if not isinstance(core, int) or isinstance(core, bool) or core < 0:
-        raise ConfigError(f"shortlister.core = {core!r} is invalid: must be an integer >= 0")
-    ranked, _ = load_frequency(ctx.resolve_artifact(str(core_path)), dict(ctx.target_fingerprint))
+    core = params.core
+    ranked, _ = load_frequency(ctx.resolve_artifact(params.frequency), dict(ctx.target_fingerprint))
     always = tuple(sorted(set(ctx.special_token_ids) | set(ranked[:core].tolist())))
     inner = BuildContext(**{**attrs.asdict(ctx, recurse=False), "special_token_ids": always})
     return _dynaspec(params, inner, core_sha=core_digest(ranked[:core]))
@@ -221,5 +233,7 @@ def cluster_digest(assignment: torch.Tensor) -> str:
 
 @hookimpl
 def dynaspec_shortlisters():
-    return [Component("dynaspec", _dynaspec, "context-routed union of vocabulary clusters (DynaSpec)"),
-            Component("hybrid", _hybrid, "routed clusters plus an always-on core of frequent tokens")]
+    return [Component("dynaspec", _dynaspec, "context-routed union of vocabulary clusters (DynaSpec)",
+                      params=DynaSpecParams),
+            Component("hybrid", _hybrid, "routed clusters plus an always-on core of frequent tokens",
+                      params=HybridParams)]

@@ -96,7 +96,8 @@ def test_router_learns_something(artifacts):
     assert recall[8] == 1.0 and all(recall[a] <= recall[b] for a, b in zip(sorted(recall), sorted(recall)[1:]))
 
 
-@pytest.mark.parametrize("scheduler", [{"name": "fixed", "budget": 2}, {"name": "position-aware", "k_max": 4}])
+@pytest.mark.parametrize("scheduler", [{"name": "fixed", "budget": 2, "unit": "clusters"},
+                                       {"name": "position-aware", "k_max": 4, "unit": "clusters"}])
 @pytest.mark.parametrize("per_row", [False, True])
 def test_dynaspec_stack_is_exact(artifacts, scheduler, per_row):
     root, _ = artifacts
@@ -183,7 +184,7 @@ def test_eval_shortlist_reports_recall(artifacts, tmp_path, monkeypatch):
     nothing = _Fixed(torch.tensor([2]))  # <unk>: never the next token of the tiny target's text
     engine = make_engine("llama", drafter, registry, shortlister={
         "name": "dynaspec", "clusters": str(root / "clusters"), "router": str(root / "router")},
-        scheduler={"name": "position-aware", "k_max": 4})
+        scheduler={"name": "position-aware", "k_max": 4, "unit": "clusters"})
     shards = sorted((root / "work").glob("shard-*.safetensors"))
     report = shortlist_eval.evaluate_shortlisters(
         shards, tgt, drafter, {"full": (full, engine.scheduler), "dyn": (engine.shortlister, engine.scheduler),
@@ -248,7 +249,7 @@ def test_context_tokens_in_the_shortlist_keep_greedy_exact(artifacts, draft):
     for context in (0, 16):
         stacks[context] = make_engine("llama", trained_drafter("llama"), builtin_registry(), shortlister={
             "name": "dynaspec", "clusters": str(root / "clusters"), "router": str(root / "router"),
-            "context": context}, scheduler={"name": "fixed", "budget": 1}, draft=draft)
+            "context": context}, scheduler={"name": "fixed", "budget": 1, "unit": "clusters"}, draft=draft)
     for prompt in ([5, 6, 7, 8], [30, 31, 9]):
         ref = reference_greedy("llama", prompt, 30)
         with_ctx, without = (stacks[c].generate(prompt, max_new_tokens=30) for c in (16, 0))
@@ -273,7 +274,7 @@ def test_eval_shortlist_cli_reads_several_shard_folders(artifacts, tmp_path, mon
     stack = tmp_path / "dyn.toml"
     stack.write_text(f'name = "dyn"\ntarget = "tiny-llama"\ndrafter = "{tmp_path / "drafter"}"\n'
                      f'[shortlister]\nname = "dynaspec"\nclusters = "{root / "clusters"}"\n'
-                     f'router = "{root / "router"}"\n[scheduler]\nname = "fixed"\nbudget = 2\n')
+                     f'router = "{root / "router"}"\n[scheduler]\nname = "fixed"\nbudget = 2\nunit = "clusters"\n')
     shards = sorted((root / "work").glob("shard-*.safetensors"))
     for k, folder in enumerate(("a", "b")):
         (tmp_path / folder).mkdir()
@@ -400,11 +401,11 @@ def test_core_aware_router_is_refused_without_its_core(core_router, artifacts):
     with pytest.raises(ConfigError, match="trained for the hybrid shortlister with a 12-token"):
         make_engine("llama", trained_drafter("llama"), builtin_registry(),
                     shortlister={"name": "dynaspec", "clusters": str(root / "clusters"), "router": str(out / "router")},
-                    scheduler={"name": "fixed", "budget": 2})
+                    scheduler={"name": "fixed", "budget": 2, "unit": "clusters"})
     with pytest.raises(ConfigError, match="same 'frequency' list and 'core' size"):
         make_engine("llama", trained_drafter("llama"), builtin_registry(), shortlister={
             "name": "hybrid", "clusters": str(root / "clusters"), "router": str(out / "router"),
-            "frequency": str(out / "freq"), "core": 5}, scheduler={"name": "fixed", "budget": 2})
+            "frequency": str(out / "freq"), "core": 5}, scheduler={"name": "fixed", "budget": 2, "unit": "clusters"})
 
 
 def test_eval_shortlist_simulates_chain_acceptance(artifacts, tmp_path, monkeypatch):
@@ -472,10 +473,14 @@ def test_a_budget_in_the_wrong_unit_is_refused(artifacts):
     frequency list) would select every cluster, so it is refused with the limit, not clamped."""
     root, _ = artifacts
     params = {"name": "dynaspec", "clusters": str(root / "clusters"), "router": str(root / "router")}
+    with pytest.raises(ConfigError, match=r"scheduler 'fixed' counts its budget in tokens, but shortlister "
+                       r"'dynaspec' counts in clusters: set scheduler.unit = \"clusters\""):
+        make_engine("llama", trained_drafter("llama"), builtin_registry(), shortlister=params,
+                    scheduler={"name": "fixed"})
     with pytest.raises(ConfigError, match=r"gives a budget of 32,768 at draft depth 0, but shortlister "
                        r"'dynaspec' counts its budget in clusters and has \d+"):
         make_engine("llama", trained_drafter("llama"), builtin_registry(), shortlister=params,
-                    scheduler={"name": "fixed"})
+                    scheduler={"name": "fixed", "unit": "clusters"})
     engine = make_engine("llama", trained_drafter("llama"), builtin_registry(), shortlister=params,
-                         scheduler={"name": "fixed", "budget": 2})
+                         scheduler={"name": "fixed", "budget": 2, "unit": "clusters"})
     assert engine.shortlister.budget_unit == "clusters"

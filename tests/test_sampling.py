@@ -118,7 +118,8 @@ def test_sampling_with_context_tokens_in_the_shortlist_keeps_target_distribution
     engine = _engine(small, builtin_registry(), draft={"mode": "tree", "depth": 3, "topk": 3, "total_tokens": 9},
                      shortlister={"name": "dynaspec", "clusters": str(tmp_path / "clusters"),
                                   "router": str(tmp_path / "router"), "context": 2},
-                     scheduler={"name": "fixed", "budget": 1}, backend="torch-blocked")
+                     scheduler={"name": "fixed", "budget": 1, "unit": "clusters"},
+                     backend="torch-blocked")
     p2, p3 = exact_marginals(tgt, params)
     c2, c3 = sample_counts(engine, params)
     assert chi2_pvalue(c2, p2) > 1e-3 and chi2_pvalue(c3, p3) > 1e-3

@@ -55,7 +55,7 @@ def test_unavailable_without_gpu_or_interpreter(monkeypatch):
         pytest.skip("a GPU is present")
     assert "no CUDA GPU" in triton_backend.unavailable_reason()
     with pytest.raises(ConfigError, match="backend 'triton' is unavailable: no CUDA GPU"):
-        triton_backend._triton({}, _ctx(torch.randn(8, 4)))
+        triton_backend._triton(triton_backend.TritonParams(), _ctx(torch.randn(8, 4)))
 
 
 def test_engine_runs_with_triton(interpret):

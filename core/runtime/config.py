@@ -54,13 +54,6 @@ def _check(field: str, ok: bool, value: Any, rule: str) -> None:
         raise ConfigError(f"{field} = {value!r} is invalid: {rule}")
 
 
-def require_positive_int(field: str, value: Any) -> int:
-    """``value`` if it is an integer >= 1, else a :class:`ConfigError` naming ``field``."""
-    _check(field, isinstance(value, int) and not isinstance(value, bool) and value >= 1, value,
-           "must be an integer >= 1")
-    return value
-
-
 @attrs.frozen
 class ComponentRef:
     """A component chosen by name, with its parameters."""

@@ -20,7 +20,7 @@ import torch
 from dynaspec.errors import ConfigError, InputError
 from dynaspec.runtime.config import StackConfig
 from dynaspec.runtime.drafter import DraftCache, Drafter, check_drafter_shape
-from dynaspec.runtime.protocols import DecodeParams
+from dynaspec.runtime.protocols import DecodeParams, ShortlisterCapabilities, capabilities
 from dynaspec.runtime.registry import Registry, default_registry
 from dynaspec.runtime.stats import GenerationStats
 from dynaspec.runtime.tree import DraftTree
@@ -98,25 +98,32 @@ class Engine:
         build = self.registry.build
         self.shortlister = build("shortlister", stack.shortlister.name, stack.shortlister.kwargs, self.ctx)
         self.scheduler = build("scheduler", stack.scheduler.name, stack.scheduler.kwargs, self.ctx)
-        self._check_budget_units()
-        # the backend reads the shortlister's head layout (Shortlister.head_layout), handed over
-        # explicitly in its own context rather than written into the shared one
-        backend_ctx = attrs.evolve(self.ctx, head_layout=getattr(self.shortlister, "head_layout", None))
+        declared = capabilities(self.shortlister)
+        self._check_budget_units(declared)
+        # the backend reads the shortlister's declared head layout, handed over in its own context
+        backend_ctx = attrs.evolve(self.ctx, head_layout=declared.head_layout)
         self.backend = build("backend", stack.backend.name, stack.backend.kwargs, backend_ctx)
         self._verifiers: dict[str, Any] = {}
         self._router_pool: ThreadPoolExecutor | None = None  # made on first use (router_overlap)
         self.verifier_for(stack.decode.temperature)  # fail early on a bad verifier
 
-    def _check_budget_units(self) -> None:
-        """A scheduler's budget is in the shortlister's unit (tokens, or clusters for the router);
-        a budget beyond what the shortlister has is a unit mix-up (32,768 "tokens" would select
-        every one of 1,024 clusters), so it is refused rather than silently clamped."""
-        limit = getattr(self.shortlister, "budget_limit", None)
+    def _check_budget_units(self, declared: ShortlisterCapabilities) -> None:
+        """A scheduler's budget must be in the shortlister's unit (tokens, or clusters for the
+        router): a scheduler that says its unit (``unit = "tokens"``) is refused with a shortlister
+        that counts another, and a budget beyond what the shortlister has is refused rather than
+        silently clamped (32,768 "tokens" would select every one of 1,024 clusters)."""
+        scheduler_unit = getattr(self.scheduler, "unit", None)
+        if scheduler_unit and declared.budget_unit and scheduler_unit != declared.budget_unit:
+            raise ConfigError(
+                f"scheduler '{self.stack.scheduler.name}' counts its budget in {scheduler_unit}, but "
+                f"shortlister '{self.stack.shortlister.name}' counts in {declared.budget_unit}: set "
+                f"scheduler.unit = \"{declared.budget_unit}\" and a budget in {declared.budget_unit}")
+        limit = declared.budget_limit
         if limit is None:
             return
         widest = int(self.scheduler.budget(depth=0))  # without scores: the cap at the widest depth
         if widest > limit:
-            unit = getattr(self.shortlister, "budget_unit", "units")
+            unit = declared.budget_unit or "units"
             raise ConfigError(
                 f"scheduler '{self.stack.scheduler.name}' gives a budget of {widest:,} at draft depth 0, "
                 f"but shortlister '{self.stack.shortlister.name}' counts its budget in {unit} and has "

@@ -27,23 +27,45 @@ class Scheduler(Protocol):
     """``schedule budget``: how large the shortlist may be at a draft depth."""
 
     def budget(self, *, depth: int, scores: torch.Tensor | None = None) -> int:
-        """Budget at draft depth ``depth`` (0 = first drafted token). Its unit is the
-        shortlister's (tokens for frequency lists, clusters for the router). ``scores`` are the
-        shortlister's per-row candidate scores when it has them (confidence-aware schedulers)."""
+        """Budget at draft depth ``depth`` (0 = first drafted token), in the scheduler's ``unit``
+        (an optional attribute: "tokens" for frequency lists, "clusters" for the router), which must
+        be the shortlister's ``budget_unit``. ``scores`` are the shortlister's per-row candidate
+        scores when it has them (confidence-aware schedulers)."""
 
 
 @runtime_checkable
 class Shortlister(Protocol):
     """``propose shortlist``: the vocabulary rows the draft head scores at one step.
 
-    Optionally a shortlister has ``head_layout``: a permutation of the vocabulary in which its
-    shortlists' ``spans`` are contiguous rows. The engine hands it to the backend's factory as
-    ``BuildContext.head_layout`` (None for a shortlister without one). It may also declare
-    ``budget_unit`` (e.g. "clusters") and ``budget_limit`` (how many it has): the engine then
-    refuses a scheduler whose widest budget exceeds the limit, a sign of a unit mix-up."""
+    A shortlister may declare three optional capabilities as attributes (read once, at build time,
+    by :func:`capabilities`):
+
+    - ``head_layout``: a permutation of the vocabulary in which its shortlists' ``spans`` are
+      contiguous rows. The engine hands it to the backend's factory as ``BuildContext.head_layout``
+      (None for a shortlister without one), so a blocked backend can permute the head once.
+    - ``budget_unit``: what the scheduler's budget counts for it ("tokens" or "clusters"). The
+      engine refuses a scheduler that declares another ``unit``.
+    - ``budget_limit``: how many of that unit it has. The engine refuses a scheduler whose widest
+      budget exceeds it (a sign of a unit mix-up)."""
 
     def propose(self, step: DraftStep, scheduler: Scheduler) -> Shortlist | Sequence[Shortlist]:
         """One shortlist shared by every row of ``step``, or one per row."""
+
+
+@attrs.frozen
+class ShortlisterCapabilities:
+    """What a shortlister declares to the rest of the engine (see :class:`Shortlister`)."""
+
+    head_layout: torch.Tensor | None = None
+    budget_unit: str | None = None
+    budget_limit: int | None = None
+
+
+def capabilities(shortlister: object) -> ShortlisterCapabilities:
+    """The capabilities ``shortlister`` declares (absent ones are None)."""
+    return ShortlisterCapabilities(getattr(shortlister, "head_layout", None),
+                                   getattr(shortlister, "budget_unit", None),
+                                   getattr(shortlister, "budget_limit", None))
 
 
 @runtime_checkable

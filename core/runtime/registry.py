@@ -40,6 +40,9 @@ class Component:
     description: str = ""
     #: Replace a built-in component of the same name instead of clashing with it.
     override: bool = False
+    #: Its parameters as a frozen attrs class (see :mod:`dynaspec.runtime.params`): the factory
+    #: then gets an instance of it, checked; without one it gets the stack's table as a dict.
+    params: type | None = None
 
 
 @attrs.frozen
@@ -205,8 +208,14 @@ class Registry:
         return self._entries[kind][name].provider
 
     def build(self, kind: str, name: str, params: dict, ctx: Any) -> Any:
-        """Build the component ``name`` of ``kind`` with its parameters."""
-        return self.get(kind, name).factory(dict(params), ctx)
+        """Build the component ``name`` of ``kind`` with its parameters (typed and checked when the
+        component declares a parameter class)."""
+        component = self.get(kind, name)
+        if kind != "stack" and getattr(component, "params", None) is not None:
+            from dynaspec.runtime.params import parse
+
+            return component.factory(parse(kind, name, component.params, dict(params)), ctx)
+        return component.factory(dict(params), ctx)
 
 
 def _dist_name(ep: importlib.metadata.EntryPoint) -> str:
