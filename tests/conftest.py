@@ -62,7 +62,7 @@ def trained_drafter(kind: str) -> Drafter:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 99, (6,), generator=gen).tolist() for _ in range(24)]
     torch.manual_seed(1)
-    drafter = Drafter(DrafterConfig.like_target(tgt.model.config),
+    drafter = Drafter(DrafterConfig.like_target(tgt.model),
                       meta={"target": tgt.fingerprint()})
     train_drafter(drafter, tgt, greedy_sequences(tgt, prompts, 48), steps=300)
     return drafter
@@ -71,7 +71,7 @@ def trained_drafter(kind: str) -> Drafter:
 def random_drafter(kind: str, seed: int = 1) -> Drafter:
     torch.manual_seed(seed)
     tgt = target(kind)
-    return Drafter(DrafterConfig.like_target(tgt.model.config), meta={"target": tgt.fingerprint()}).eval()
+    return Drafter(DrafterConfig.like_target(tgt.model), meta={"target": tgt.fingerprint()}).eval()
 
 
 #: The draft-head backend the engine tests run with (nox runs the suite once per backend).

@@ -78,7 +78,9 @@ def test_slice_uses_answer_for_code():
 
 
 def test_prompt_format():
-    prompt = data.format_prompt("Hello there")
+    from dynaspec.runtime.prompt import format_prompt
+
+    prompt = format_prompt("Hello there")
     assert prompt == "User: Hello there\nAssistant:"
     assert "<bos>" not in prompt  # the tokenizer adds it
 

@@ -20,7 +20,7 @@ TEXTS = ["Hello there, how are you?", "Write a poem about the sea.", "def f(x): 
 
 @pytest.fixture
 def fake_prompts(monkeypatch):
-    def prompt_batches(tokenizer, start, count, max_prompt_tokens, split="train", slice_name=None):
+    def prompt_batches(tokenizer, start, count, max_prompt_tokens, split="train", slice_name=None, fmt=None):
         return [(f"id{k}", tokenizer(TEXTS[k])["input_ids"][:max_prompt_tokens])
                 for k in range(start, min(start + count, len(TEXTS)))]
 
@@ -82,7 +82,7 @@ def test_resumed_training_records_the_shards_it_ended_with_and_all_its_time(tmp_
     earlier = json.loads((work / "ckpt-d" / "checkpoint.json").read_text())["seconds"]
     assert earlier > 0
     # a raw shard lands in the folder while the run is paused; the resumed run's later epochs use it
-    monkeypatch.setattr(dt, "_raw_batches", lambda tok, start, count, max_tokens, split="train", slice_name=None:
+    monkeypatch.setattr(dt, "_raw_batches", lambda tok, start, count, max_tokens, split="train", slice_name=None, fmt=None:
                         [("r", tok(TEXTS[3])["input_ids"], 2)] if start == 0 else [])
     raw = dt.collect(target, tmp_path / "raw", prompts=1, shard_size=1, source="raw", new_tokens=4,
                      slice_name="non-english")
@@ -116,7 +116,7 @@ def test_raw_collection_stores_the_targets_greedy_next_token(tmp_path, monkeypat
 
     tgt = tiny_target("llama")
 
-    def raw_batches(tokenizer, start, count, max_tokens, split="train", slice_name=None):
+    def raw_batches(tokenizer, start, count, max_tokens, split="train", slice_name=None, fmt=None):
         return [(f"r{k}", tokenizer(TEXTS[k])["input_ids"][:max_tokens], 3)
                 for k in range(start, min(start + count, len(TEXTS)))]
 
@@ -144,7 +144,7 @@ def test_describe_shards_counts_sources_and_refuses_dev(tmp_path, fake_prompts, 
 
     tgt = tiny_target("llama")
     gen = dt.collect(tgt, tmp_path / "w", prompts=2, shard_size=2, batch=2, new_tokens=4)
-    monkeypatch.setattr(dt, "_raw_batches", lambda tok, start, count, max_tokens, split="train", slice_name=None:
+    monkeypatch.setattr(dt, "_raw_batches", lambda tok, start, count, max_tokens, split="train", slice_name=None, fmt=None:
                         [("r", tok(TEXTS[0])["input_ids"], 2)] if start == 0 else [])
     raw = dt.collect(tgt, tmp_path / "r", prompts=1, shard_size=1, source="raw", new_tokens=4)
     described = dt.describe_shards(gen + raw)
@@ -169,3 +169,29 @@ def test_train_drafter_cli_records_its_data_and_refuses_dev_shards(tmp_path, fak
     dt.collect(tgt, tmp_path / "d", prompts=2, shard_size=2, batch=2, new_tokens=4, split="dev")
     assert main([*args[:6], str(tmp_path / "d"), *args[7:], "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
+
+
+def test_collection_writes_the_targets_own_prompt_format(tmp_path, monkeypatch):
+    """The shards of a target with its own prompt format (a chat template, say) hold prompts in
+    that format, not the embedded Gemma's."""
+    from dynaspec.training import data
+
+    conv = {"id": "c1", "conversations": [{"from": "human", "value": "Hi there"},
+                                          {"from": "gpt", "value": "Hello"}]}
+    monkeypatch.setattr(data, "load_split", lambda split: [conv])
+    target = tiny_target("llama")
+    target.prompt_format = "Q> {text} <A"
+    seen = []
+    real = dt._raw_batches
+
+    def spy(*args, **kwargs):
+        items = real(*args, **kwargs)
+        seen.extend(items)
+        return items
+
+    monkeypatch.setattr(dt, "_raw_batches", spy)
+    shards = dt.collect(target, tmp_path / "w", prompts=1, shard_size=1, source="raw", new_tokens=8)
+    (_, ids, prompt_len), = seen
+    assert target.tokenizer.decode(ids[:prompt_len], skip_special_tokens=True) == "Q> Hi there <A"
+    shard = dt.load_shard(shards[0])
+    assert shard["tokens"].tolist() == ids and shard["prompt_lens"].tolist() == [prompt_len]

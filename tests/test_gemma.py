@@ -199,7 +199,7 @@ def real_target():
 def test_real_target_facts_and_generation(real_target):
     import torch
 
-    from dynaspec.training.data import format_prompt
+    from dynaspec.runtime.prompt import format_prompt
 
     t = real_target
     assert (t.vocab_size, t.hidden_size, t.name) == (262_144, 640, "gemma3-270m")

@@ -18,7 +18,7 @@ def engines():
 @pytest.mark.parametrize("prompt", ["Write a Python function that reverses a string.",
                                     "Wie spät ist es in Berlin, wenn es in Tokio Mittag ist?"])
 def test_default_stack_matches_baseline(engines, prompt):
-    from dynaspec.training.data import format_prompt
+    from dynaspec.runtime.prompt import format_prompt
 
     base, spec = engines
     text = format_prompt(prompt)
@@ -45,7 +45,7 @@ SHORTLISTING_STACKS = ["fr-spec", "fr-spec-pa", "dynaspec-fixed", "dynaspec", "d
 @pytest.mark.parametrize("stack", SHORTLISTING_STACKS)
 def test_shortlisting_stacks_match_baseline(engines, stack):
     from dynaspec.runtime.engine import Engine
-    from dynaspec.training.data import format_prompt
+    from dynaspec.runtime.prompt import format_prompt
 
     base, _ = engines
     spec = Engine.from_stack(stack, target=base.target)

@@ -31,7 +31,7 @@ SAMPLES = 2500
 def small():
     tgt = tiny_target("llama", vocab_size=VOCAB, seed=2)
     torch.manual_seed(5)
-    return tgt, Drafter(DrafterConfig.like_target(tgt.model.config)).eval()
+    return tgt, Drafter(DrafterConfig.like_target(tgt.model)).eval()
 
 
 @torch.no_grad()

@@ -35,6 +35,21 @@ class EveryOther:
 @hookimpl
 def dynaspec_shortlisters():
     return [Component("every-other", EveryOther, "every other token id")]
+
+
+def _quiz_target(params, ctx):
+    """The tiny random Llama, with a prompt format of its own."""
+    from dynaspec.plugins.tiny import tiny_target
+
+    target = tiny_target("llama")
+    target.prompt_format = "Q: {text}\\nA:"
+    target.name = "quiz"
+    return target
+
+
+@hookimpl
+def dynaspec_targets():
+    return [Component("quiz", _quiz_target, "tiny Llama answering in a Q/A format")]
 '''
 
 
@@ -85,7 +100,7 @@ def test_installed_plugin_is_discovered_and_broken_one_reported(site):
     rows = {row["plugin"]: row for row in json.loads(out.stdout)}
     assert rows["dynaspec_every_other"]["distribution"] == "dynaspec-every-other"
     assert rows["dynaspec_every_other"]["version"] == "0.3.1"
-    assert rows["dynaspec_every_other"]["components"] == "shortlister:every-other"
+    assert rows["dynaspec_every_other"]["components"] == "shortlister:every-other, target:quiz"
     assert rows["dynaspec_broken"]["status"].startswith("FAILED") and "broken on purpose" in rows[
         "dynaspec_broken"]["status"]
     assert rows["verifiers"]["status"] == "built-in"  # the others keep working
@@ -120,3 +135,19 @@ def test_wheel_has_one_top_level_package(tmp_path):
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert tops == {"dynaspec"}
     assert "dynaspec/plugins/verifiers.py" in names and "dynaspec/stack_files/eagle.toml" in names
+
+
+def test_third_party_target_plugin(site, tmp_path):
+    """A target added by a plugin package is chosen by name in a stack and brings its own prompt
+    format: its greedy output is the tiny Llama's on the prompt written in that format."""
+    stack = tmp_path / "quiz.toml"
+    stack.write_text('name = "quiz"\ntarget = "quiz"\ndrafter = "none"\n')
+    out = _cli(site, "generate", "Hello", "--stack", str(stack), "--max-new-tokens", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    plain = tmp_path / "plain.toml"
+    plain.write_text('name = "plain"\ntarget = "tiny-llama"\ndrafter = "none"\n')
+    raw = _cli(site, "generate", "Q: Hello\nA:", "--raw", "--stack", str(plain), "--max-new-tokens", "8", "--json")
+    assert raw.returncode == 0, raw.stderr
+    assert json.loads(out.stdout)["token_ids"] == json.loads(raw.stdout)["token_ids"]
+    unknown = _cli(site, "generate", "Hello", "--set", "target=nope")
+    assert unknown.returncode == 2 and "unknown target 'nope'" in unknown.stderr and "quiz" in unknown.stderr

@@ -51,8 +51,11 @@ class DrafterConfig:
             raise ConfigError(f"drafter activation = {value!r} is invalid: one of {sorted(_ACTIVATIONS)}")
 
     @classmethod
-    def like_target(cls, config: Any, *, intermediate_size: int | None = None) -> "DrafterConfig":
-        """A drafter shaped like one decoder layer of a Hugging Face target config."""
+    def like_target(cls, model: nn.Module, *, intermediate_size: int | None = None) -> "DrafterConfig":
+        """A drafter shaped like one decoder layer of a Hugging Face target model: its sizes,
+        activation and rotary base from the config, and q/k norms when the target's attention has
+        them (read from its modules, whatever the model family)."""
+        config = model.config
         cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         heads = int(cfg.num_attention_heads)
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
@@ -73,7 +76,7 @@ class DrafterConfig:
             rope_theta=float(rope),
             rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
             activation="gelu_tanh" if "gelu" in act else "silu",
-            qk_norm=getattr(cfg, "model_type", "").startswith("gemma3"),
+            qk_norm=any(name.endswith(".q_norm") for name, _ in model.named_modules()),
         )
 
 

@@ -195,11 +195,17 @@ class Registry:
 
     def check_stack(self, stack: Any) -> None:
         """Raise for any component a :class:`~dynaspec.runtime.config.StackConfig` names that no plugin
-        provides: cheap, so commands call it before loading a model."""
+        provides, or whose declared parameters are invalid: cheap, so commands call it before
+        loading a model."""
         from pathlib import Path
 
+        from dynaspec.runtime.params import parse
+
         for kind in ("shortlister", "scheduler", "backend", "verifier"):
-            self.get(kind, getattr(stack, kind).name)
+            ref = getattr(stack, kind)
+            params = getattr(self.get(kind, ref.name), "params", None)
+            if params is not None:  # typed parameters are checked here too, before any model loads
+                parse(kind, ref.name, params, ref.kwargs)
         if stack.target not in self._entries["target"] and not Path(stack.target).is_dir():
             self.get("target", stack.target)  # raises, naming the registered targets
 

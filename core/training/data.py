@@ -10,11 +10,11 @@ integer, are ``< 50`` modulo 1000 (about 5 %); everything else is ``train``. The
 id only, so it is stable across machines and versions, and the (rare) repeated ids all land in the
 same split.
 
-Prompt format: the embedded target is the **base** (pre-trained) Gemma 3 270M, not the ``-it``
-model: its GGUF is named "Gemma 3 270m", carries no chat template, and its tokenizer has none, so
-Gemma's ``<start_of_turn>`` turn format would be out of distribution. Its format is therefore the
-plain ``"User: {text}\\nAssistant:"`` (:data:`dynaspec.runtime.prompt.BASE_MODEL_FORMAT`), which the target
-owns (``TargetModel.prompt_format``); the training data here is written in it.
+Prompt format: each target owns its own (``TargetModel.prompt_format``), and the collection writes
+the training data in the format of the target it collects for. The embedded target is the **base**
+(pre-trained) Gemma 3 270M, not the ``-it`` model: its GGUF carries no chat template, so Gemma's
+``<start_of_turn>`` turn format would be out of distribution, and its format is the plain
+``"User: {text}\\nAssistant:"`` (:data:`dynaspec.runtime.prompt.BASE_MODEL_FORMAT`).
 
 Slices (for reporting acceptance per kind of text): ``code``, ``non-english`` and ``english``, from a
 cheap, dependency-free classifier (:func:`slice_of`).
@@ -30,7 +30,6 @@ import re
 from typing import Any, Iterator
 
 from dynaspec.errors import ConfigError
-from dynaspec.runtime.prompt import format_prompt  # noqa: F401 - the training data uses the embedded target's format
 
 __all__ = [
     "EXPECTED_CONVERSATIONS",
@@ -39,7 +38,6 @@ __all__ = [
     "load_conversations",
     "split_of",
     "load_split",
-    "format_prompt",
     "first_human_turn",
     "first_answer",
     "slice_of",

@@ -1,7 +1,7 @@
 """``dynaspec train-drafter``: collect target features on the train split, then train the drafter.
 
 Stage 1 (``collect``) writes shards to a work folder: for each train prompt (the first human turn,
-wrapped by :func:`dynaspec.training.data.format_prompt`), the target's own greedy continuation — the text the
+wrapped in the target's prompt format, :meth:`TargetModel.format_prompt`), the target's own greedy continuation — the text the
 drafter will meet at inference — and the target's normed features over prompt + continuation.
 Shards are written atomically and skipped when present, so an interrupted collection resumes.
 
@@ -25,21 +25,24 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from dynaspec.runtime.drafter import Drafter, DrafterConfig
 from dynaspec.runtime.files import atomic_write
+from dynaspec.runtime.prompt import format_prompt
 from dynaspec.runtime.target import TargetModel
 from dynaspec.training.shards import describe_shards, load_shard, positions, shard_path, shard_paths
 
 
 # -- stage 1: collection -----------------------------------------------------------------------------
 def _prompt_batches(tokenizer, start: int, count: int, max_prompt_tokens: int,
-                    split: str = "train", slice_name: str | None = None) -> list[tuple[str, list[int]]]:
-    from dynaspec.training.data import dev_protocol_prompts, format_prompt, training_prompts
+                    split: str = "train", slice_name: str | None = None,
+                    fmt: Callable[[str], str] = format_prompt) -> list[tuple[str, list[int]]]:
+    """(id, ids) of ``fmt(first human turn)`` (``fmt``: the target's prompt format)."""
+    from dynaspec.training.data import dev_protocol_prompts, training_prompts
 
     source = training_prompts() if split == "train" else dev_protocol_prompts(n=1 << 30)
     if slice_name is not None:
@@ -50,22 +53,17 @@ def _prompt_batches(tokenizer, start: int, count: int, max_prompt_tokens: int,
             continue
         if k >= start + count:
             break
-        ids = tokenizer(format_prompt(item["text"]))["input_ids"][:max_prompt_tokens]
+        ids = tokenizer(fmt(item["text"]))["input_ids"][:max_prompt_tokens]
         items.append((item["id"], ids))
     return items
 
 
 def _raw_batches(tokenizer, start: int, count: int, max_tokens: int, split: str = "train",
-                 slice_name: str | None = None) -> list[tuple[str, list[int], int]]:
-    """(id, ids, prompt length) of ``format_prompt(first human turn) + " " + first answer`` (the
+                 slice_name: str | None = None,
+                 fmt: Callable[[str], str] = format_prompt) -> list[tuple[str, list[int], int]]:
+    """(id, ids, prompt length) of ``fmt(first human turn) + " " + first answer`` (the
     conversation's own answer, not the target's), cut to ``max_tokens`` tokens."""
-    from dynaspec.training.data import (
-        conversation_slice,
-        first_answer,
-        first_human_turn,
-        format_prompt,
-        load_split,
-    )
+    from dynaspec.training.data import conversation_slice, first_answer, first_human_turn, load_split
 
     items, k = [], 0
     for conv in load_split(split):
@@ -75,7 +73,7 @@ def _raw_batches(tokenizer, start: int, count: int, max_tokens: int, split: str 
         if k >= start + count:
             break
         if k >= start:
-            prompt = format_prompt(human[:1500])
+            prompt = fmt(human[:1500])
             ids = tokenizer(prompt + " " + reply)["input_ids"][:max_tokens]
             items.append((conv["id"], ids, min(len(tokenizer(prompt)["input_ids"]), len(ids))))
         k += 1
@@ -143,12 +141,12 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
         count = min(shard_size, prompts - index * shard_size)
         if source == "raw":
             raw = _raw_batches(target.tokenizer, index * shard_size, count, max_prompt_tokens + new_tokens,
-                               split, slice_name)
+                               split, slice_name, fmt=target.format_prompt)
             items = [(i, ids) for i, ids, _ in raw]
             seqs, prompt_lens = [ids for _, ids in items], [plen for _, _, plen in raw]
         else:
             items = _prompt_batches(target.tokenizer, index * shard_size, count, max_prompt_tokens, split,
-                                    slice_name)
+                                    slice_name, fmt=target.format_prompt)
             seqs, prompt_lens = [], []
             for b in range(0, len(items), batch):
                 chunk = [ids for _, ids in items[b:b + batch]]
@@ -302,7 +300,7 @@ def train(target: TargetModel, work: Path, out: Path, *, epochs: int = 2, steps:
     ckpt = work / f"ckpt-{out.name}"
     ckpt.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    drafter = Drafter(DrafterConfig.like_target(target.model.config)).float()
+    drafter = Drafter(DrafterConfig.like_target(target.model)).float()
     head = target.lm_head_weight.detach()
     freq = _frequent_tokens(paths, frequent)
     total_steps = steps or epochs * max(1, positions(paths) // batch_positions)

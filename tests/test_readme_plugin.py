@@ -1,0 +1,66 @@
+"""The README's plugin example, taken from the README itself, is built, pip-installed, discovered
+and used by a stack: its output equals plain decoding, and its typed parameter is checked."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_third_party import _cli
+
+from conftest import trained_drafter
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _block(language: str, first_line: str) -> str:
+    blocks = re.findall(rf"```{language}\n(.*?)```", README.read_text(), flags=re.S)
+    found = [b for b in blocks if b.startswith(first_line + "\n")]
+    assert len(found) == 1, f"README has no single {language} block starting with {first_line!r}"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    root = tmp_path_factory.mktemp("readme-plugin")
+    pkg = root / "my-shortlister"
+    (pkg / "my_shortlister").mkdir(parents=True)
+    (pkg / "my_shortlister" / "__init__.py").write_text(_block("python", "# my_shortlister/__init__.py"))
+    (pkg / "pyproject.toml").write_text(_block("toml", "# pyproject.toml"))
+    site = root / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(site), str(pkg)], check=True, timeout=600)
+    return site
+
+
+def test_readme_plugin_is_discovered(site):
+    out = _cli(site, "plugins", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = {row["plugin"]: row for row in json.loads(out.stdout)}
+    assert rows["my_shortlister"]["distribution"] == "my-shortlister"
+    assert rows["my_shortlister"]["components"] == "shortlister:head-norm"
+
+
+def test_readme_plugin_generates_exactly_and_checks_its_parameter(site, tmp_path):
+    trained_drafter("llama").save(tmp_path / "drafter")
+    common = f'target = "tiny-llama"\ndrafter = "{tmp_path / "drafter"}"\n[draft]\nmode = "chain"\ndepth = 3\n'
+    stack = tmp_path / "head-norm.toml"
+    stack.write_text('name = "head-norm"\n' + common +
+                     '[shortlister]\nname = "head-norm"\nrecent = 8\n[scheduler]\nname = "fixed"\nbudget = 16\n')
+    out = _cli(site, "generate", "Hello", "--stack", str(stack), "--max-new-tokens", "16", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["new_tokens"] == 16 and 16 <= data["mean_shortlist_size"] < 128  # a real shortlist
+    plain = tmp_path / "plain.toml"
+    plain.write_text('name = "plain"\ntarget = "tiny-llama"\ndrafter = "none"\n')
+    reference = json.loads(_cli(site, "generate", "Hello", "--stack", str(plain), "--max-new-tokens", "16",
+                                "--json").stdout)
+    assert data["token_ids"] == reference["token_ids"]
+    bad = _cli(site, "generate", "Hello", "--stack", str(stack), "--set", "shortlister.recent=-1")
+    assert bad.returncode == 2
+    assert ("shortlister.recent = -1 is invalid for shortlister 'head-norm': must be an integer >= 0, in tokens"
+            in bad.stderr)
