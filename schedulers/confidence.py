@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from dynaspec.runtime.hookspecs import hookimpl
-from dynaspec.runtime.params import budget_unit, fraction, param, positive_int
+from dynaspec.runtime.params import fraction, param, size_param, unit_param
 from dynaspec.runtime.registry import Component
 
 
@@ -27,14 +27,12 @@ def _masses(value) -> bool:
 
 @attrs.frozen
 class ConfidenceParams:
-    k_max: int = param(128, help="most clusters at draft depths 0 and 1 (fewer deeper)", check=positive_int,
-                       rule="must be an integer >= 1")
-    k_min: int = param(4, help="fewest clusters at any depth", check=positive_int, rule="must be an integer >= 1")
+    k_max: int = size_param(128, "most clusters at draft depths 0 and 1 (fewer deeper)")
+    k_min: int = size_param(4, "fewest clusters at any depth")
     mass: float | list = param(0.95, help="router probability mass to cover (one number, or one per depth)",
                                check=_masses, rule="must be a number (or a list of numbers, one per draft "
                                "depth) with 0 < mass <= 1")
-    unit: str = param("clusters", help="what k_max and k_min count (the router's clusters)",
-                      check=budget_unit, rule="must be 'tokens' or 'clusters'")
+    unit: str = unit_param("clusters")
 
 
 class ConfidenceBudget:

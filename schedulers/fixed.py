@@ -5,16 +5,14 @@ from __future__ import annotations
 import attrs
 
 from dynaspec.runtime.hookspecs import hookimpl
-from dynaspec.runtime.params import budget_unit, param, positive_int
+from dynaspec.runtime.params import size_param, unit_param
 from dynaspec.runtime.registry import Component
 
 
 @attrs.frozen
 class FixedParams:
-    budget: int = param(32768, help="shortlist size at every draft depth", check=positive_int,
-                        rule="must be an integer >= 1")
-    unit: str = param("tokens", help="what `budget` counts: tokens, or clusters for the router",
-                      check=budget_unit, rule="must be 'tokens' or 'clusters'")
+    budget: int = size_param(32768, "shortlist size at every draft depth")
+    unit: str = unit_param("tokens")
 
 
 class FixedBudget:

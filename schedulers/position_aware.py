@@ -10,28 +10,26 @@ from __future__ import annotations
 import attrs
 
 from dynaspec.runtime.hookspecs import hookimpl
-from dynaspec.runtime.params import budget_unit, param, positive_int
+from dynaspec.runtime.params import size_param, unit_param
 from dynaspec.runtime.registry import Component
+from dynaspec.schedulers.fixed import FixedBudget
 
 
 @attrs.frozen
 class PositionAwareParams:
-    k_max: int = param(32768, help="shortlist size at draft depths 0 and 1", check=positive_int,
-                       rule="must be an integer >= 1")
-    unit: str = param("tokens", help="what `k_max` counts: tokens, or clusters for the router",
-                      check=budget_unit, rule="must be 'tokens' or 'clusters'")
+    k_max: int = size_param(32768, "shortlist size at draft depths 0 and 1")
+    unit: str = unit_param("tokens")
 
 
-class PositionAware:
+class PositionAware(FixedBudget):
     """Budget ``k_max`` at depths 0 and 1, then ``k_max // ((t + 1) * 2)``, in ``unit``."""
 
-    def __init__(self, k_max: int, unit: str = "tokens") -> None:
-        self.k_max, self.unit = k_max, unit
+    @property
+    def k_max(self) -> int:
+        return self.value
 
     def budget(self, *, depth: int, scores=None) -> int:
-        if depth <= 1:
-            return self.k_max
-        return max(1, self.k_max // ((depth + 1) * 2))
+        return self.value if depth <= 1 else max(1, self.value // ((depth + 1) * 2))
 
 
 def _position_aware(params: PositionAwareParams, ctx) -> PositionAware:

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from test_third_party import _cli
+from test_third_party import _cli, pip_install, plugin_rows
 
 from conftest import trained_drafter
 
@@ -31,16 +29,12 @@ def site(tmp_path_factory):
     (pkg / "my_shortlister").mkdir(parents=True)
     (pkg / "my_shortlister" / "__init__.py").write_text(_block("python", "# my_shortlister/__init__.py"))
     (pkg / "pyproject.toml").write_text(_block("toml", "# pyproject.toml"))
-    site = root / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--target", str(site), str(pkg)], check=True, timeout=600)
-    return site
+    pip_install(pkg, root / "site")
+    return root / "site"
 
 
 def test_readme_plugin_is_discovered(site):
-    out = _cli(site, "plugins", "--json")
-    assert out.returncode == 0, out.stderr
-    rows = {row["plugin"]: row for row in json.loads(out.stdout)}
+    rows = plugin_rows(site)
     assert rows["my_shortlister"]["distribution"] == "my-shortlister"
     assert rows["my_shortlister"]["components"] == "shortlister:head-norm"
 

@@ -72,6 +72,12 @@ def _package(root: Path, name: str, module: str, source: str) -> Path:
     return pkg
 
 
+def pip_install(package: Path, site: Path) -> None:
+    """Install a package folder into ``site`` (added to PYTHONPATH by :func:`_cli`)."""
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(site), str(package)], check=True, timeout=600)
+
+
 def _cli(site: Path, *argv: str, strict: bool = False) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("DYNASPEC_STRICT_PLUGINS", None)
@@ -88,16 +94,19 @@ def site(tmp_path_factory):
     good = _package(root, "dynaspec-every-other", "dynaspec_every_other", PLUGIN_MODULE)
     bad = _package(root, "dynaspec-broken", "dynaspec_broken", "raise ImportError('broken on purpose')\n")
     for pkg in (good, bad):
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                        "--no-build-isolation", "--target", str(site), str(pkg)], check=True,
-                       timeout=600)
+        pip_install(pkg, site)
     return site
 
 
-def test_installed_plugin_is_discovered_and_broken_one_reported(site):
+def plugin_rows(site: Path) -> dict[str, dict]:
+    """``dynaspec plugins --json`` with ``site`` on the path, by plugin name."""
     out = _cli(site, "plugins", "--json")
     assert out.returncode == 0, out.stderr
-    rows = {row["plugin"]: row for row in json.loads(out.stdout)}
+    return {row["plugin"]: row for row in json.loads(out.stdout)}
+
+
+def test_installed_plugin_is_discovered_and_broken_one_reported(site):
+    rows = plugin_rows(site)
     assert rows["dynaspec_every_other"]["distribution"] == "dynaspec-every-other"
     assert rows["dynaspec_every_other"]["version"] == "0.3.1"
     assert rows["dynaspec_every_other"]["components"] == "shortlister:every-other, target:quiz"

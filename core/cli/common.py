@@ -124,3 +124,23 @@ def write_json(path: Path, data: Any) -> None:
     from dynaspec.runtime.files import atomic_write
 
     atomic_write(path, lambda p: Path(p).write_text(json.dumps(data, indent=2)))
+
+
+def command(sub, func, name: str, *, threads: bool = True, placement: bool = False, target: bool = False,
+            **kwargs: Any) -> argparse.ArgumentParser:
+    """A sub-command ``name`` that runs ``func(args)``, with ``--threads`` (``--device`` and
+    ``--dtype`` with ``placement``, ``--target`` with ``target``); ``kwargs`` go to ``add_parser``
+    (help; the description is ``func``'s docstring)."""
+    import inspect
+
+    if func.__doc__:
+        kwargs.setdefault("description", inspect.cleandoc(func.__doc__))
+    parser = sub.add_parser(name, **kwargs)
+    parser.set_defaults(func=func)
+    if target:
+        parser.add_argument("--target", default="gemma3-270m")
+    if placement:
+        add_placement(parser)
+    if threads:
+        add_threads(parser)
+    return parser

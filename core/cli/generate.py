@@ -11,8 +11,35 @@ import json
 import sys
 from pathlib import Path
 
-from dynaspec.cli.common import add_placement, add_threads, overrides, positive_int
+from dynaspec.cli.common import command, overrides, positive_int
 from dynaspec.errors import InputError
+
+
+def register(sub) -> None:
+    gen = command(sub, cmd_generate, "generate", placement=True,
+        help="generate a continuation of a prompt with a stack")
+    gen.add_argument("prompt", nargs="?", default=None,
+                     help="the prompt text ('-' reads standard input; or use --prompt-file)")
+    gen.add_argument("--prompt-file", metavar="PATH", default=None,
+                     help="read the prompt from this UTF-8 file (long prompts exceed the shell's limit)")
+    gen.add_argument("--raw", action="store_true",
+                     help="pass the prompt to the target as it is; by default it is wrapped in the "
+                     "target's prompt format (for the embedded Gemma: 'User: ...\nAssistant:', the "
+                     "format the drafter was trained on)")
+    gen.add_argument("--stack", default="default", help="stack name or TOML file (default: %(default)s)")
+    gen.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
+                     help="tokens to generate, >= 1 (default: the stack's decode.max_new_tokens, 128 "
+                     "for the built-in stacks)")
+    gen.add_argument("--temperature", type=float, default=None, metavar="T",
+                     help="0 = greedy, exactly the target's greedy output; above 0 samples with the "
+                     "target's distribution (default: the stack's, 0 for the built-in stacks)")
+    gen.add_argument("--top-p", type=float, default=None, metavar="P",
+                     help="nucleus sampling mass, 0 < P <= 1 (default: the stack's, 1.0)")
+    gen.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling (default 0)")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop when the output contains TEXT (cut before it); repeatable")
+    gen.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a stack field")
+    gen.add_argument("--json", action="store_true", help="print one JSON object with text and statistics")
 
 
 def _decode_utf8(data: bytes, where: str) -> str:
@@ -46,6 +73,8 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate a continuation with speculative decoding. Prints the text, then one statistics
+    line on stderr (or one JSON object with --json)."""
     import attrs
 
     from dynaspec.runtime.engine import Engine
@@ -85,34 +114,3 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"mean accepted length {stats.mean_accepted_length:.2f}, mean shortlist {shortlist}, "
           f"{stats.tokens_per_second:.1f} tokens/s", file=sys.stderr)
     return 0
-
-
-def register(sub) -> None:
-    gen = sub.add_parser("generate", help="generate a continuation of a prompt with a stack",
-                         description="Generate a continuation with speculative decoding. Prints the "
-                         "text, then one statistics line on stderr (or one JSON object with --json).")
-    gen.add_argument("prompt", nargs="?", default=None,
-                     help="the prompt text ('-' reads standard input; or use --prompt-file)")
-    gen.add_argument("--prompt-file", metavar="PATH", default=None,
-                     help="read the prompt from this UTF-8 file (long prompts exceed the shell's limit)")
-    gen.add_argument("--raw", action="store_true",
-                     help="pass the prompt to the target as it is; by default it is wrapped in the "
-                     "target's prompt format (for the embedded Gemma: 'User: ...\nAssistant:', the "
-                     "format the drafter was trained on)")
-    gen.add_argument("--stack", default="default", help="stack name or TOML file (default: %(default)s)")
-    gen.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
-                     help="tokens to generate, >= 1 (default: the stack's decode.max_new_tokens, 128 "
-                     "for the built-in stacks)")
-    gen.add_argument("--temperature", type=float, default=None, metavar="T",
-                     help="0 = greedy, exactly the target's greedy output; above 0 samples with the "
-                     "target's distribution (default: the stack's, 0 for the built-in stacks)")
-    gen.add_argument("--top-p", type=float, default=None, metavar="P",
-                     help="nucleus sampling mass, 0 < P <= 1 (default: the stack's, 1.0)")
-    gen.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling (default 0)")
-    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                     help="stop when the output contains TEXT (cut before it); repeatable")
-    gen.add_argument("--set", action="append", metavar="FIELD=VALUE", help="override a stack field")
-    gen.add_argument("--json", action="store_true", help="print one JSON object with text and statistics")
-    add_placement(gen)
-    add_threads(gen)
-    gen.set_defaults(func=cmd_generate)

@@ -5,6 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 
+from dynaspec.cli.common import command
+
+
+def register(sub) -> None:
+    plug = command(sub, cmd_plugins, "plugins", threads=False,
+        help="list plugins, their distributions and components")
+    plug.add_argument("--json", action="store_true",
+                      help="print a JSON list (plugin, distribution, version, status, components)")
+
+    stacks = command(sub, cmd_stacks, "stacks", threads=False,
+        help="list stacks, or show one resolved")
+    stacks.add_argument("name", nargs="?", help="a stack name or TOML file to show in full")
+
 
 def cmd_plugins(args: argparse.Namespace) -> int:
     from dynaspec.runtime.registry import default_registry
@@ -41,14 +54,3 @@ def cmd_stacks(args: argparse.Namespace) -> int:
         stack = resolve_stack(name, registry=registry)
         print(f"{name:<{width}}{stack.description}")
     return 0
-
-
-def register(sub) -> None:
-    plug = sub.add_parser("plugins", help="list plugins, their distributions and components")
-    plug.add_argument("--json", action="store_true",
-                      help="print a JSON list (plugin, distribution, version, status, components)")
-    plug.set_defaults(func=cmd_plugins)
-
-    stacks = sub.add_parser("stacks", help="list stacks, or show one resolved")
-    stacks.add_argument("name", nargs="?", help="a stack name or TOML file to show in full")
-    stacks.set_defaults(func=cmd_stacks)

@@ -8,12 +8,78 @@ import json
 import sys
 from pathlib import Path
 
-from dynaspec.cli.common import add_placement, add_threads, overrides, write_json
+from dynaspec.cli.common import command, overrides, write_json
 
 _DIFFERS = "dynaspec: error: a greedy stack's output differs from the baseline's"
 
 
+def register(sub) -> None:
+    ev = command(sub, cmd_eval, "eval", placement=True,
+        help="dev-protocol acceptance, exactness and speed of stacks against the baseline")
+    ev.add_argument("--stacks", nargs="+", default=["default"], help="stack names or TOML files")
+    ev.add_argument("--prompts", type=int, default=40)
+    ev.add_argument("--max-new-tokens", type=int, default=64)
+    ev.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                    help="override a field of every evaluated stack (not the baseline)")
+    ev.add_argument("--split", choices=["dev", "train"], default="dev",
+                    help="dev (report figures) or train (tune settings: never tune on dev)")
+    ev.add_argument("--slice", choices=["english", "code", "non-english"], default=None,
+                    help="only prompts of this slice (the first --prompts of it)")
+    ev.add_argument("--train-offset", type=int, default=10000, metavar="N",
+                    help="with --split train, start at train prompt N (default %(default)s: beyond "
+                    "what train-drafter collects by default, so the drafter never saw them)")
+    ev.add_argument("--temperature", type=float, default=0.0,
+                    help="0 (default) decodes greedily and checks every stack's output against the "
+                    "baseline's; above 0 samples (speed and acceptance only)")
+    ev.add_argument("--seed", type=int, default=0,
+                    help="with --temperature, prompt i samples with seed S + i in every stack (default 0)")
+    ev.add_argument("--json-out", metavar="FILE", help="write the full report as JSON")
+    ev.add_argument("--part", metavar="K/N", help="run only prompts K, K+N, ... (parallel processes)")
+    ev.add_argument("--merge", nargs="+", metavar="JSON", help="merge the JSON reports of parts and print")
+
+    es = command(sub, cmd_eval_shortlist, "eval-shortlist",
+        help="offline shortlist recall per depth against size (dev)")
+    es.add_argument("--stacks", nargs="+", required=True, help="stacks whose shortlister/scheduler to evaluate")
+    es.add_argument("--work", required=True, nargs="+", help="dev shard folders")
+    es.add_argument("--depth", type=int, default=6)
+    es.add_argument("--max-positions", type=int, default=None)
+    es.add_argument("--out", required=True, help="folder for shortlist_eval.json and recall_vs_size.png")
+
+    bh = command(sub, cmd_bench_head, "bench-head", target=True,
+        help="draft-head time against shortlist size, per backend")
+    bh.add_argument("--backends", nargs="+", default=["torch", "torch-blocked"])
+    bh.add_argument("--sizes", type=int, nargs="+",
+                    default=[1024, 4096, 8192, 16384, 26214, 32768, 65536, 131072, 262144])
+    bh.add_argument("--rows", type=int, nargs="+", default=[1, 10], help="1 token and a tree-sized batch")
+    bh.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
+    bh.add_argument("--repeats", type=int, default=7)
+    bh.add_argument("--breakdown", nargs="*", metavar="STACK", default=[],
+                    help="also time whole generations of these stacks (first = reference) and print ms "
+                    "per draft step split into embed, draft core, router and head GEMM")
+    bh.add_argument("--breakdown-prompts", type=int, default=4, metavar="N",
+                    help="built-in bench prompts for --breakdown (default: %(default)s)")
+    bh.add_argument("--breakdown-tokens", type=int, default=48, metavar="N")
+    bh.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                    help="override a field of every --breakdown stack (e.g. backend=torch-blocked)")
+    bh.add_argument("--out", required=True)
+
+    be = command(sub, cmd_bench, "bench", placement=True,
+        help="compare stacks side by side on Spec-Bench-format questions")
+    be.add_argument("--questions", nargs="+", help="question files (default: the built-in set)")
+    be.add_argument("--stacks", nargs="+", default=["default"])
+    be.add_argument("--max-new-tokens", type=int, default=64)
+    be.add_argument("--limit-per-category", type=int, default=None, metavar="K")
+    be.add_argument("--temperature", type=float, default=0.0)
+    be.add_argument("--seed", type=int, default=0)
+    be.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                    help="override a field of every benchmarked stack (not the baseline)")
+    be.add_argument("--out", required=True)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
+    """The standard dev protocol: the first human turn of the first N ShareGPT dev conversations
+    (cut to 1,500 characters), greedy, baseline and stacks interleaved prompt by prompt. Prints
+    a per-slice table; exits 1 if any output differs from the baseline's."""
     from dynaspec.evaluation.cost_model import format_cost_table
     from dynaspec.evaluation.evaluate import evaluate, format_table, merge
 
@@ -40,6 +106,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_shortlist(args: argparse.Namespace) -> int:
+    """Recall of the target's next token in each stack's shortlist, per draft depth and slice,
+    on dev shards (collected with --split dev), and the accepted length of greedy chain decoding
+    replayed offline with the drafter's favourite inside each shortlist; table, JSON and PNG."""
     from dynaspec.evaluation.shortlist import run
 
     run(args.stacks, args.work, Path(args.out), depth=args.depth, max_positions=args.max_positions)
@@ -47,6 +116,8 @@ def cmd_eval_shortlist(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_head(args: argparse.Namespace) -> int:
+    """Time the shortlisted draft-head product for each backend (interleaved, median of repeats)
+    against the memory-bandwidth bound measured in the same run."""
     from dynaspec.evaluation.bench_head import run
 
     run(args.target, Path(args.out), backends=args.backends, sizes=args.sizes, rows=args.rows,
@@ -57,6 +128,10 @@ def cmd_bench_head(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """Run baseline and stacks interleaved on Spec-Bench (question_id, category, turns) or
+    HumanEval (task_id, prompt) files, or on the built-in set; write answer files, results.json,
+    results.md and plots to --out. Rerunning with the same --out skips finished answers. Exit 1
+    if a greedy stack differs from the baseline."""
     from dynaspec.evaluation.bench import markdown, parse_questions, run, select
 
     questions = []
@@ -70,87 +145,3 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(_DIFFERS, file=sys.stderr)
         return 1
     return 0
-
-
-def register(sub) -> None:
-    ev = sub.add_parser(
-        "eval", help="dev-protocol acceptance, exactness and speed of stacks against the baseline",
-        description="The standard dev protocol: the first human turn of the first N ShareGPT dev "
-        "conversations (cut to 1,500 characters), greedy, baseline and stacks interleaved prompt by "
-        "prompt. Prints a per-slice table; exits 1 if any output differs from the baseline's.")
-    ev.add_argument("--stacks", nargs="+", default=["default"], help="stack names or TOML files")
-    ev.add_argument("--prompts", type=int, default=40)
-    ev.add_argument("--max-new-tokens", type=int, default=64)
-    ev.add_argument("--set", action="append", metavar="FIELD=VALUE",
-                    help="override a field of every evaluated stack (not the baseline)")
-    ev.add_argument("--split", choices=["dev", "train"], default="dev",
-                    help="dev (report figures) or train (tune settings: never tune on dev)")
-    ev.add_argument("--slice", choices=["english", "code", "non-english"], default=None,
-                    help="only prompts of this slice (the first --prompts of it)")
-    ev.add_argument("--train-offset", type=int, default=10000, metavar="N",
-                    help="with --split train, start at train prompt N (default %(default)s: beyond "
-                    "what train-drafter collects by default, so the drafter never saw them)")
-    ev.add_argument("--temperature", type=float, default=0.0,
-                    help="0 (default) decodes greedily and checks every stack's output against the "
-                    "baseline's; above 0 samples (speed and acceptance only)")
-    ev.add_argument("--seed", type=int, default=0,
-                    help="with --temperature, prompt i samples with seed S + i in every stack (default 0)")
-    ev.add_argument("--json-out", metavar="FILE", help="write the full report as JSON")
-    ev.add_argument("--part", metavar="K/N", help="run only prompts K, K+N, ... (parallel processes)")
-    ev.add_argument("--merge", nargs="+", metavar="JSON", help="merge the JSON reports of parts and print")
-    add_placement(ev)
-    add_threads(ev)
-    ev.set_defaults(func=cmd_eval)
-
-    es = sub.add_parser("eval-shortlist", help="offline shortlist recall per depth against size (dev)",
-                        description="Recall of the target's next token in each stack's shortlist, per draft "
-                        "depth and slice, on dev shards (collected with --split dev), and the accepted length "
-                        "of greedy chain decoding replayed offline with the drafter's favourite inside each "
-                        "shortlist; table, JSON and PNG.")
-    es.add_argument("--stacks", nargs="+", required=True, help="stacks whose shortlister/scheduler to evaluate")
-    es.add_argument("--work", required=True, nargs="+", help="dev shard folders")
-    es.add_argument("--depth", type=int, default=6)
-    es.add_argument("--max-positions", type=int, default=None)
-    es.add_argument("--out", required=True, help="folder for shortlist_eval.json and recall_vs_size.png")
-    add_threads(es)
-    es.set_defaults(func=cmd_eval_shortlist)
-
-    bh = sub.add_parser("bench-head", help="draft-head time against shortlist size, per backend",
-                        description="Time the shortlisted draft-head product for each backend (interleaved, "
-                        "median of repeats) against the memory-bandwidth bound measured in the same run.")
-    bh.add_argument("--target", default="gemma3-270m")
-    bh.add_argument("--backends", nargs="+", default=["torch", "torch-blocked"])
-    bh.add_argument("--sizes", type=int, nargs="+",
-                    default=[1024, 4096, 8192, 16384, 26214, 32768, 65536, 131072, 262144])
-    bh.add_argument("--rows", type=int, nargs="+", default=[1, 10], help="1 token and a tree-sized batch")
-    bh.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
-    bh.add_argument("--repeats", type=int, default=7)
-    bh.add_argument("--breakdown", nargs="*", metavar="STACK", default=[],
-                    help="also time whole generations of these stacks (first = reference) and print ms "
-                    "per draft step split into embed, draft core, router and head GEMM")
-    bh.add_argument("--breakdown-prompts", type=int, default=4, metavar="N",
-                    help="built-in bench prompts for --breakdown (default: %(default)s)")
-    bh.add_argument("--breakdown-tokens", type=int, default=48, metavar="N")
-    bh.add_argument("--set", action="append", metavar="FIELD=VALUE",
-                    help="override a field of every --breakdown stack (e.g. backend=torch-blocked)")
-    bh.add_argument("--out", required=True)
-    add_threads(bh)
-    bh.set_defaults(func=cmd_bench_head)
-
-    be = sub.add_parser("bench", help="compare stacks side by side on Spec-Bench-format questions",
-                        description="Run baseline and stacks interleaved on Spec-Bench (question_id, category, "
-                        "turns) or HumanEval (task_id, prompt) files, or on the built-in set; write answer "
-                        "files, results.json, results.md and plots to --out. Rerunning with the same --out "
-                        "skips finished answers. Exit 1 if a greedy stack differs from the baseline.")
-    be.add_argument("--questions", nargs="+", help="question files (default: the built-in set)")
-    be.add_argument("--stacks", nargs="+", default=["default"])
-    be.add_argument("--max-new-tokens", type=int, default=64)
-    be.add_argument("--limit-per-category", type=int, default=None, metavar="K")
-    be.add_argument("--temperature", type=float, default=0.0)
-    be.add_argument("--seed", type=int, default=0)
-    be.add_argument("--set", action="append", metavar="FIELD=VALUE",
-                    help="override a field of every benchmarked stack (not the baseline)")
-    be.add_argument("--out", required=True)
-    add_placement(be)
-    add_threads(be)
-    be.set_defaults(func=cmd_bench)

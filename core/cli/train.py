@@ -9,71 +9,14 @@ import sys
 import time
 from pathlib import Path
 
-from dynaspec.cli.common import add_threads, command_line
+from dynaspec.cli.common import command, command_line
 from dynaspec.errors import ConfigError
 
 
-def cmd_train_drafter(args: argparse.Namespace) -> int:
-    from dynaspec.runtime.targets import load_target
-    from dynaspec.training import drafter as dt
-
-    target = load_target(args.target)
-    work = Path(args.work)
-    started = time.time()
-    if args.stage in ("collect", "all"):
-        dt.collect(target, work, prompts=args.prompts, shard_size=args.shard_size, batch=args.batch,
-                   new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                   worker=args.worker, workers=args.workers, split=args.split, slice_name=args.slice,
-                   source=args.source)
-    if args.stage in ("train", "all"):
-        if not args.out:
-            raise ConfigError("--out is required to train")
-        provenance = {"command": command_line(), "target": args.target, "work": str(work)}
-        dt.train(target, work, Path(args.out), epochs=args.epochs, steps=args.steps, lr=args.lr,
-                 window=args.window, batch_positions=args.batch_positions, unroll=args.unroll,
-                 max_shards=args.max_shards, provenance=provenance)
-    print(f"done in {time.time() - started:.0f} s", file=sys.stderr)
-    return 0
-
-
-def cmd_build_frequency(args: argparse.Namespace) -> int:
-    from dynaspec.training.vocabulary import build_frequency_list
-
-    path = build_frequency_list(args.target, args.source, Path(args.out), work=args.work,
-                                limit=args.conversations, export=args.export_token_map,
-                                command=command_line())
-    print(f"wrote {path}", file=sys.stderr)
-    return 0
-
-
-def cmd_build_clusters(args: argparse.Namespace) -> int:
-    from dynaspec.training.vocabulary import build_clusters
-
-    path, log = build_clusters(args.target, Path(args.out), clusters=args.clusters,
-                               iterations=args.iterations, seed=args.seed, command=command_line())
-    print(f"wrote {path} (cluster sizes {log['min_size']}..{log['max_size']}, "
-          f"{log['iterations']} iterations)", file=sys.stderr)
-    return 0
-
-
-def cmd_train_router(args: argparse.Namespace) -> int:
-    from dynaspec.training.router import build_router
-
-    stats = build_router(args.target, args.work, args.clusters, Path(args.out), drafter_ref=args.drafter,
-                         width=args.width, epochs=args.epochs, lr=args.lr, max_shards=args.max_shards,
-                         core=args.core, frequency_ref=args.frequency, command=command_line())
-    print(json.dumps(stats["held_out_recall"]), file=sys.stderr)
-    return 0
-
-
 def register(sub) -> None:
-    tr = sub.add_parser(
-        "train-drafter", help="collect target features on ShareGPT train and train the drafter",
-        description="Stage 'collect' writes resumable shards (target greedy continuations of train "
-        "prompts and the target's features) to --work; stage 'train' trains the EAGLE-style drafter "
-        "on them (resumable from checkpoints in --work) and writes it atomically to --out.")
+    tr = command(sub, cmd_train_drafter, "train-drafter", target=True,
+        help="collect target features on ShareGPT train and train the drafter")
     tr.add_argument("--stage", choices=["collect", "train", "all"], default="all")
-    tr.add_argument("--target", default="gemma3-270m")
     tr.add_argument("--work", required=True, help="folder for shards and checkpoints")
     tr.add_argument("--out", help="folder to write the drafter to")
     tr.add_argument("--prompts", type=int, default=2048, help="train prompts to collect")
@@ -100,39 +43,25 @@ def register(sub) -> None:
     tr.add_argument("--batch-positions", type=int, default=2048)
     tr.add_argument("--unroll", type=int, default=2, help="draft steps trained per position")
     tr.add_argument("--max-shards", type=int, default=None, help="train on the first N shards only")
-    add_threads(tr)
-    tr.set_defaults(func=cmd_train_drafter)
 
-    bf = sub.add_parser(
-        "build-frequency", help="count token frequencies for the static `frequency` shortlister",
-        description="Rank the vocabulary by frequency: --source raw counts ShareGPT train text "
-        "tokenized by the target (FR-Spec); --source generated counts the target's own greedy "
-        "continuations collected by `train-drafter --stage collect` in --work (VocabTrim).")
-    bf.add_argument("--target", default="gemma3-270m")
+    bf = command(sub, cmd_build_frequency, "build-frequency", target=True,
+        help="count token frequencies for the static `frequency` shortlister")
     bf.add_argument("--source", choices=["raw", "generated"], default="raw")
     bf.add_argument("--work", help="collection folder (for --source generated)")
     bf.add_argument("--conversations", type=int, default=None, help="count only the first N train conversations")
     bf.add_argument("--out", required=True, help="folder (or .safetensors file) to write")
     bf.add_argument("--export-token-map", type=int, nargs="*", default=[], metavar="SIZE",
                     help="also write freq_SIZE.pt token maps (SGLang --speculative-token-map)")
-    add_threads(bf)
-    bf.set_defaults(func=cmd_build_frequency)
 
-    bc = sub.add_parser("build-clusters", help="spherical k-means of the LM-head rows into M clusters",
-                        description="Cluster the column-normalised LM-head rows (one per token) with "
-                        "spherical k-means (k-means++ seeding, fixed seed, empty-cluster repair).")
-    bc.add_argument("--target", default="gemma3-270m")
+    bc = command(sub, cmd_build_clusters, "build-clusters", target=True,
+        help="spherical k-means of the LM-head rows into M clusters")
     bc.add_argument("--clusters", type=int, default=1024, metavar="M")
     bc.add_argument("--iterations", type=int, default=25)
     bc.add_argument("--seed", type=int, default=0)
     bc.add_argument("--out", required=True, help="folder (or .safetensors file) to write")
-    add_threads(bc)
-    bc.set_defaults(func=cmd_build_clusters)
 
-    rt = sub.add_parser("train-router", help="train the DynaSpec router on collected train shards",
-                        description="Train r([E(x_t), H~_{t-1}]) -> cluster scores so that the target's "
-                        "next token falls in the top clusters; the last shard is held out for recall.")
-    rt.add_argument("--target", default="gemma3-270m")
+    rt = command(sub, cmd_train_router, "train-router", target=True,
+        help="train the DynaSpec router on collected train shards")
     rt.add_argument("--work", required=True, nargs="+",
                     help="`train-drafter --stage collect` folders (train split); the last shard of the "
                     "first folder is held out to report recall")
@@ -148,5 +77,66 @@ def register(sub) -> None:
                     "so the router gets one more class ('in the core') and its clusters only have to "
                     "find the other tokens; use the router with that same frequency list and core")
     rt.add_argument("--frequency", default=None, help="frequency list (name or path) of the --core")
-    add_threads(rt)
-    rt.set_defaults(func=cmd_train_router)
+
+
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    """Stage 'collect' writes resumable shards (target greedy continuations of train prompts and
+    the target's features) to --work; stage 'train' trains the EAGLE-style drafter on them
+    (resumable from checkpoints in --work) and writes it atomically to --out."""
+    from dynaspec.runtime.targets import load_target
+    from dynaspec.training import drafter as dt
+
+    target = load_target(args.target)
+    work = Path(args.work)
+    started = time.time()
+    if args.stage in ("collect", "all"):
+        dt.collect(target, work, prompts=args.prompts, shard_size=args.shard_size, batch=args.batch,
+                   new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                   worker=args.worker, workers=args.workers, split=args.split, slice_name=args.slice,
+                   source=args.source)
+    if args.stage in ("train", "all"):
+        if not args.out:
+            raise ConfigError("--out is required to train")
+        provenance = {"command": command_line(), "target": args.target, "work": str(work)}
+        dt.train(target, work, Path(args.out), epochs=args.epochs, steps=args.steps, lr=args.lr,
+                 window=args.window, batch_positions=args.batch_positions, unroll=args.unroll,
+                 max_shards=args.max_shards, provenance=provenance)
+    print(f"done in {time.time() - started:.0f} s", file=sys.stderr)
+    return 0
+
+
+def cmd_build_frequency(args: argparse.Namespace) -> int:
+    """Rank the vocabulary by frequency: --source raw counts ShareGPT train text tokenized by
+    the target (FR-Spec); --source generated counts the target's own greedy continuations
+    collected by `train-drafter --stage collect` in --work (VocabTrim)."""
+    from dynaspec.training.vocabulary import build_frequency_list
+
+    path = build_frequency_list(args.target, args.source, Path(args.out), work=args.work,
+                                limit=args.conversations, export=args.export_token_map,
+                                command=command_line())
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_build_clusters(args: argparse.Namespace) -> int:
+    """Cluster the column-normalised LM-head rows (one per token) with spherical k-means
+    (k-means++ seeding, fixed seed, empty-cluster repair)."""
+    from dynaspec.training.vocabulary import build_clusters
+
+    path, log = build_clusters(args.target, Path(args.out), clusters=args.clusters,
+                               iterations=args.iterations, seed=args.seed, command=command_line())
+    print(f"wrote {path} (cluster sizes {log['min_size']}..{log['max_size']}, "
+          f"{log['iterations']} iterations)", file=sys.stderr)
+    return 0
+
+
+def cmd_train_router(args: argparse.Namespace) -> int:
+    """Train r([E(x_t), H~_{t-1}]) -> cluster scores so that the target's next token falls in
+    the top clusters; the last shard is held out for recall."""
+    from dynaspec.training.router import build_router
+
+    stats = build_router(args.target, args.work, args.clusters, Path(args.out), drafter_ref=args.drafter,
+                         width=args.width, epochs=args.epochs, lr=args.lr, max_shards=args.max_shards,
+                         core=args.core, frequency_ref=args.frequency, command=command_line())
+    print(json.dumps(stats["held_out_recall"]), file=sys.stderr)
+    return 0

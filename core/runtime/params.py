@@ -99,3 +99,14 @@ def parse(kind: str, name: str, cls: type, values: Mapping[str, Any]) -> Any:
 @attrs.frozen
 class NoParams:
     """The parameter class of a component that takes none: any parameter is refused by name."""
+
+
+def size_param(default: int, help: str, unit: str | None = None) -> Any:
+    """A size (a budget, a count): an integer >= 1."""
+    return param(default, help=help, unit=unit, check=positive_int, rule="must be an integer >= 1")
+
+
+def unit_param(default: str) -> Any:
+    """The unit a scheduler's budget counts in."""
+    return param(default, help="what the budget counts: tokens, or clusters for the router",
+                 check=budget_unit, rule="must be 'tokens' or 'clusters'")
