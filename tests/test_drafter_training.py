@@ -12,6 +12,7 @@ from dynaspec.errors import ArtifactMismatchError
 from dynaspec.plugins.tiny import tiny_target
 from dynaspec.runtime.drafter import Drafter
 from dynaspec.runtime.targets import load_drafter
+from dynaspec.training import collect as dc
 from dynaspec.training import drafter as dt
 
 TEXTS = ["Hello there, how are you?", "Write a poem about the sea.", "def f(x): return x * 2",
@@ -24,12 +25,12 @@ def fake_prompts(monkeypatch):
         return [(f"id{k}", tokenizer(TEXTS[k])["input_ids"][:max_prompt_tokens])
                 for k in range(start, min(start + count, len(TEXTS)))]
 
-    monkeypatch.setattr(dt, "_prompt_batches", prompt_batches)
+    monkeypatch.setattr(dc, "_prompt_batches", prompt_batches)
 
 
 def test_collect_is_resumable_and_complete(tmp_path, fake_prompts):
     target = tiny_target("llama")
-    paths = dt.collect(target, tmp_path, prompts=6, shard_size=4, batch=3, new_tokens=10)
+    paths = dc.collect(target, tmp_path, prompts=6, shard_size=4, batch=3, new_tokens=10)
     assert [p.name for p in paths] == ["shard-00000.safetensors", "shard-00001.safetensors"]
     shard = dt.load_shard(paths[0])
     offsets = shard["offsets"]
@@ -43,7 +44,7 @@ def test_collect_is_resumable_and_complete(tmp_path, fake_prompts):
     assert first == expected[0].tolist()
     mtimes = [p.stat().st_mtime_ns for p in paths]
     paths[1].unlink()  # an interrupted run: the missing shard is made again, the other kept
-    dt.collect(target, tmp_path, prompts=6, shard_size=4, batch=3, new_tokens=10)
+    dc.collect(target, tmp_path, prompts=6, shard_size=4, batch=3, new_tokens=10)
     assert paths[0].stat().st_mtime_ns == mtimes[0] and paths[1].exists()
     assert not list(tmp_path.glob("*.tmp"))
 
@@ -51,7 +52,7 @@ def test_collect_is_resumable_and_complete(tmp_path, fake_prompts):
 def test_train_resumes_and_writes_artifact(tmp_path, fake_prompts):
     target = tiny_target("llama")
     work, out = tmp_path / "work", tmp_path / "drafter"
-    dt.collect(target, work, prompts=6, shard_size=3, batch=3, new_tokens=20)
+    dc.collect(target, work, prompts=6, shard_size=3, batch=3, new_tokens=20)
     kwargs = dict(window=16, batch_positions=64, unroll=2, frequent=16, checkpoint_every=2)
     dt.train(target, work, out, epochs=1, **kwargs)
     first = json.loads((work / "ckpt-drafter" / "checkpoint.json").read_text())
@@ -60,7 +61,7 @@ def test_train_resumes_and_writes_artifact(tmp_path, fake_prompts):
     second = json.loads((work / "ckpt-drafter" / "checkpoint.json").read_text())
     assert second["epoch"] == 2 and second["step"] == 2 * first["step"]
     # a step budget: later epochs read the shard list again (here: a shard added meanwhile)
-    dt.collect(target, work, prompts=6, shard_size=2, batch=2, new_tokens=5)  # shards 0-2 exist: no-op
+    dc.collect(target, work, prompts=6, shard_size=2, batch=2, new_tokens=5)  # shards 0-2 exist: no-op
     stepped = dt.train(target, work, tmp_path / "stepped", steps=5, **kwargs)
     assert stepped.meta["training"]["steps"] == 5
     meta = json.loads((out / "drafter.json").read_text())
@@ -76,15 +77,15 @@ def test_resumed_training_records_the_shards_it_ended_with_and_all_its_time(tmp_
 
     target = tiny_target("llama")
     work = tmp_path / "work"
-    dt.collect(target, work, prompts=4, shard_size=2, batch=2, new_tokens=6)
+    dc.collect(target, work, prompts=4, shard_size=2, batch=2, new_tokens=6)
     kwargs = dict(window=16, batch_positions=32, unroll=2, frequent=16, checkpoint_every=1)
     dt.train(target, work, tmp_path / "d", steps=2, **kwargs)
     earlier = json.loads((work / "ckpt-d" / "checkpoint.json").read_text())["seconds"]
     assert earlier > 0
     # a raw shard lands in the folder while the run is paused; the resumed run's later epochs use it
-    monkeypatch.setattr(dt, "_raw_batches", lambda tok, start, count, max_tokens, split="train", slice_name=None, fmt=None:
+    monkeypatch.setattr(dc, "_raw_batches", lambda tok, start, count, max_tokens, split="train", slice_name=None, fmt=None:
                         [("r", tok(TEXTS[3])["input_ids"], 2)] if start == 0 else [])
-    raw = dt.collect(target, tmp_path / "raw", prompts=1, shard_size=1, source="raw", new_tokens=4,
+    raw = dc.collect(target, tmp_path / "raw", prompts=1, shard_size=1, source="raw", new_tokens=4,
                      slice_name="non-english")
     raw[0].rename(work / "shard-01000.safetensors")
     drafter = dt.train(target, work, tmp_path / "d", steps=40, **kwargs)
@@ -94,7 +95,7 @@ def test_resumed_training_records_the_shards_it_ended_with_and_all_its_time(tmp_
     assert "1 of the raw shards hold only non-english conversations" in training["data"]
     assert training["train_seconds"] >= earlier + training["train_seconds_this_run"] - 0.1
     # a dev shard in the folder stops a resumed run instead of training on it
-    dev = dt.collect(target, tmp_path / "dev", prompts=2, shard_size=2, batch=2, new_tokens=4, split="dev")
+    dev = dc.collect(target, tmp_path / "dev", prompts=2, shard_size=2, batch=2, new_tokens=4, split="dev")
     dev[0].rename(work / "shard-02000.safetensors")
     with pytest.raises(ConfigError, match="train only on train shards"):
         dt.train(target, work, tmp_path / "d", steps=80, **kwargs)
@@ -106,9 +107,9 @@ def test_prompt_batches_filter_one_slice(monkeypatch):
     items = [{"id": f"p{k}", "text": f"text {k}", "slice": "code" if k % 3 == 0 else "english"} for k in range(12)]
     monkeypatch.setattr(data, "training_prompts", lambda: iter(items))
     tok = tiny_target("llama").tokenizer
-    got = dt._prompt_batches(tok, 1, 2, 50, "train", "code")
+    got = dc._prompt_batches(tok, 1, 2, 50, "train", "code")
     assert [i for i, _ in got] == ["p3", "p6"]  # the 2nd and 3rd code prompts
-    assert [i for i, _ in dt._prompt_batches(tok, 0, 3, 50, "train")] == ["p0", "p1", "p2"]
+    assert [i for i, _ in dc._prompt_batches(tok, 0, 3, 50, "train")] == ["p0", "p1", "p2"]
 
 
 def test_raw_collection_stores_the_targets_greedy_next_token(tmp_path, monkeypatch):
@@ -120,8 +121,8 @@ def test_raw_collection_stores_the_targets_greedy_next_token(tmp_path, monkeypat
         return [(f"r{k}", tokenizer(TEXTS[k])["input_ids"][:max_tokens], 3)
                 for k in range(start, min(start + count, len(TEXTS)))]
 
-    monkeypatch.setattr(dt, "_raw_batches", raw_batches)
-    paths = dt.collect(tgt, tmp_path / "raw", prompts=3, shard_size=2, source="raw", new_tokens=20,
+    monkeypatch.setattr(dc, "_raw_batches", raw_batches)
+    paths = dc.collect(tgt, tmp_path / "raw", prompts=3, shard_size=2, source="raw", new_tokens=20,
                        max_prompt_tokens=10)
     assert len(paths) == 2
     shard = dt.load_shard(paths[0])
@@ -143,14 +144,14 @@ def test_describe_shards_counts_sources_and_refuses_dev(tmp_path, fake_prompts, 
     from dynaspec.errors import ConfigError
 
     tgt = tiny_target("llama")
-    gen = dt.collect(tgt, tmp_path / "w", prompts=2, shard_size=2, batch=2, new_tokens=4)
-    monkeypatch.setattr(dt, "_raw_batches", lambda tok, start, count, max_tokens, split="train", slice_name=None, fmt=None:
+    gen = dc.collect(tgt, tmp_path / "w", prompts=2, shard_size=2, batch=2, new_tokens=4)
+    monkeypatch.setattr(dc, "_raw_batches", lambda tok, start, count, max_tokens, split="train", slice_name=None, fmt=None:
                         [("r", tok(TEXTS[0])["input_ids"], 2)] if start == 0 else [])
-    raw = dt.collect(tgt, tmp_path / "r", prompts=1, shard_size=1, source="raw", new_tokens=4)
+    raw = dc.collect(tgt, tmp_path / "r", prompts=1, shard_size=1, source="raw", new_tokens=4)
     described = dt.describe_shards(gen + raw)
     assert described["sources"] == {"generated": 1, "raw": 1} and described["shards"] == 2
     assert "1 shards of raw conversations" in described["data"]
-    dev = dt.collect(tgt, tmp_path / "d", prompts=2, shard_size=2, batch=2, new_tokens=4, split="dev")
+    dev = dc.collect(tgt, tmp_path / "d", prompts=2, shard_size=2, batch=2, new_tokens=4, split="dev")
     with pytest.raises(ConfigError, match="train only on train shards"):
         dt.describe_shards(gen + dev)
 
@@ -159,14 +160,14 @@ def test_train_drafter_cli_records_its_data_and_refuses_dev_shards(tmp_path, fak
     from dynaspec.cli import main
 
     tgt = tiny_target("llama")
-    dt.collect(tgt, tmp_path / "w", prompts=4, shard_size=2, batch=2, new_tokens=6)
+    dc.collect(tgt, tmp_path / "w", prompts=4, shard_size=2, batch=2, new_tokens=6)
     args = ["train-drafter", "--target", "tiny-llama", "--stage", "train", "--work", str(tmp_path / "w"),
             "--steps", "2", "--batch-positions", "32", "--window", "16"]
     assert main([*args, "--out", str(tmp_path / "drafter")]) == 0
     config = json.loads((tmp_path / "drafter" / "drafter.json").read_text())
     assert config["training"]["shard_sources"] == {"generated": 2}
     assert "2 shards of first human turns" in config["training"]["data"]
-    dt.collect(tgt, tmp_path / "d", prompts=2, shard_size=2, batch=2, new_tokens=4, split="dev")
+    dc.collect(tgt, tmp_path / "d", prompts=2, shard_size=2, batch=2, new_tokens=4, split="dev")
     assert main([*args[:6], str(tmp_path / "d"), *args[7:], "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
 
@@ -182,15 +183,15 @@ def test_collection_writes_the_targets_own_prompt_format(tmp_path, monkeypatch):
     target = tiny_target("llama")
     target.prompt_format = "Q> {text} <A"
     seen = []
-    real = dt._raw_batches
+    real = dc._raw_batches
 
     def spy(*args, **kwargs):
         items = real(*args, **kwargs)
         seen.extend(items)
         return items
 
-    monkeypatch.setattr(dt, "_raw_batches", spy)
-    shards = dt.collect(target, tmp_path / "w", prompts=1, shard_size=1, source="raw", new_tokens=8)
+    monkeypatch.setattr(dc, "_raw_batches", spy)
+    shards = dc.collect(target, tmp_path / "w", prompts=1, shard_size=1, source="raw", new_tokens=8)
     (_, ids, prompt_len), = seen
     assert target.tokenizer.decode(ids[:prompt_len], skip_special_tokens=True) == "Q> Hi there <A"
     shard = dt.load_shard(shards[0])

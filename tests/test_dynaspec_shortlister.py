@@ -10,6 +10,7 @@ from dynaspec.errors import ArtifactMismatchError, ConfigError
 from dynaspec.shortlisters import router as router_mod
 from dynaspec.shortlisters.clusters import load_clusters, save_clusters, spherical_kmeans
 from dynaspec.shortlisters.router import ClusterLayout
+from dynaspec.training import collect as dc
 from dynaspec.training import drafter as dt
 from dynaspec.training.router import train_router
 
@@ -78,8 +79,8 @@ def artifacts(tmp_path_factory):
         return [(f"t{k}", tokenizer(texts[k])["input_ids"]) for k in range(start, min(start + count, len(texts)))]
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(dt, "_prompt_batches", prompt_batches)
-    paths = dt.collect(tgt, root / "work", prompts=12, shard_size=4, batch=4, new_tokens=40)
+    mp.setattr(dc, "_prompt_batches", prompt_batches)
+    paths = dc.collect(tgt, root / "work", prompts=12, shard_size=4, batch=4, new_tokens=40)
     mp.undo()
     assignment, cents, _ = spherical_kmeans(tgt.lm_head_weight, 8, progress=False)
     save_clusters(root / "clusters", assignment, cents, {"target": tgt.fingerprint()})

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dynaspec.plugins import gemma
+from dynaspec.runtime import cache
 
 
 # -- cache logic with a fake converter (fast) -------------------------------------------------------
@@ -38,7 +39,7 @@ class _Fake:
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
     monkeypatch.setenv("DYNASPEC_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(gemma, "_FULL_HASH_MAX", 1 << 20)  # the fake weights take the CRC-32 path
+    monkeypatch.setattr(cache, "FULL_HASH_MAX", 1 << 20)  # the fake weights take the CRC-32 path
     f = _Fake()
     monkeypatch.setattr(gemma, "_convert_into", f.convert)
     monkeypatch.setattr(gemma, "_load_converted", f.load)
@@ -62,7 +63,7 @@ def test_builds_once_then_reuses(fake, capsys):
     gemma.load_gemma_target()
     assert (fake.built, fake.loaded) == (1, 2)
     final = gemma.gemma_cache_dir()
-    assert (final / gemma.MANIFEST).exists()
+    assert (final / cache.MANIFEST).exists()
     assert [p.name for p in final.parent.iterdir()] == [final.name]  # no temp folders left
 
 
@@ -89,11 +90,11 @@ def _damage_middle(final: Path) -> None:  # same size, random bytes in the middl
 
 
 def _damage_manifest(final: Path) -> None:
-    (final / gemma.MANIFEST).unlink()
+    (final / cache.MANIFEST).unlink()
 
 
 def _damage_garbled_manifest(final: Path) -> None:
-    (final / gemma.MANIFEST).write_text("{not json")
+    (final / cache.MANIFEST).write_text("{not json")
 
 
 def _damage_missing_file(final: Path) -> None:
@@ -150,7 +151,7 @@ def test_stale_temp_folders_are_swept(fake):
     final.parent.mkdir(parents=True)
     stale = final.parent / f".{final.name}.tmp-old"
     stale.mkdir()
-    old = time.time() - 2 * gemma._STALE_TMP_S
+    old = time.time() - 2 * cache.STALE_TMP_S
     import os
 
     os.utime(stale, (old, old))
@@ -162,7 +163,7 @@ def test_stale_temp_folders_are_swept(fake):
 
 def test_manifest_records_files(fake):
     gemma.load_gemma_target()
-    manifest = json.loads((gemma.gemma_cache_dir() / gemma.MANIFEST).read_text())
+    manifest = json.loads((gemma.gemma_cache_dir() / cache.MANIFEST).read_text())
     assert set(manifest["files"]) == {"model.safetensors", "config.json"}
     assert manifest["files"]["model.safetensors"]["size"] == 256 * (3 * 4096 + 7)
     assert set(manifest["files"]["model.safetensors"]) == {"size", "crc32"}  # whole-file CRC-32

@@ -85,12 +85,13 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     (resumable from checkpoints in --work) and writes it atomically to --out."""
     from dynaspec.runtime.targets import load_target
     from dynaspec.training import drafter as dt
+    from dynaspec.training.collect import collect
 
     target = load_target(args.target)
     work = Path(args.work)
     started = time.time()
     if args.stage in ("collect", "all"):
-        dt.collect(target, work, prompts=args.prompts, shard_size=args.shard_size, batch=args.batch,
+        collect(target, work, prompts=args.prompts, shard_size=args.shard_size, batch=args.batch,
                    new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                    worker=args.worker, workers=args.workers, split=args.split, slice_name=args.slice,
                    source=args.source)

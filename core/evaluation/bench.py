@@ -285,46 +285,27 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def plots(results: dict[str, Any], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from dynaspec.evaluation.plots import figure
 
     stacks = results["stacks"]
     cats = sorted({c for s in stacks.values() for c in s if c != "overall"})
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / max(len(stacks), 1)
-    for i, (name, per) in enumerate(stacks.items()):
-        ax.bar([j + i * width for j in range(len(cats))],
-               [per.get(c, {}).get("mean_accepted_length", 0) for c in cats], width, label=name)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats, rotation=20, fontsize=8)
-    ax.set_ylabel("mean accepted length")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "accepted_length_per_category.png", dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, per in stacks.items():
-        o = per["overall"]
-        if o["mean_shortlist_size"]:
-            ax.scatter([o["mean_shortlist_size"]], [o["mean_accepted_length"]])
-            ax.annotate(name, (o["mean_shortlist_size"], o["mean_accepted_length"]), fontsize=8)
-    ax.set_xscale("log")
-    ax.set_xlabel("average shortlist size (tokens)")
-    ax.set_ylabel("mean accepted length")
-    fig.tight_layout()
-    fig.savefig(out / "accepted_length_vs_shortlist.png", dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, per in stacks.items():
-        depth = per["overall"]["shortlist_size_per_depth"]
-        if depth:
-            ax.plot([int(d) for d in depth], list(depth.values()), marker="o", label=name)
-    ax.set_xlabel("draft depth")
-    ax.set_ylabel("average shortlist size (tokens)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "shortlist_size_per_depth.png", dpi=110)
-    plt.close(fig)
+    with figure(out / "accepted_length_per_category.png", size=(8, 4), xlabel="",
+                ylabel="mean accepted length", legend=True, dpi=110) as ax:
+        width = 0.8 / max(len(stacks), 1)
+        for i, (name, per) in enumerate(stacks.items()):
+            ax.bar([j + i * width for j in range(len(cats))],
+                   [per.get(c, {}).get("mean_accepted_length", 0) for c in cats], width, label=name)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats, rotation=20, fontsize=8)
+    with figure(out / "accepted_length_vs_shortlist.png", xlabel="average shortlist size (tokens)",
+                ylabel="mean accepted length", xlog=True, dpi=110) as ax:
+        for name, per in stacks.items():
+            o = per["overall"]
+            if o["mean_shortlist_size"]:
+                ax.scatter([o["mean_shortlist_size"]], [o["mean_accepted_length"]])
+                ax.annotate(name, (o["mean_shortlist_size"], o["mean_accepted_length"]), fontsize=8)
+    with figure(out / "shortlist_size_per_depth.png", xlabel="draft depth",
+                ylabel="average shortlist size (tokens)", legend=True, dpi=110) as ax:
+        for name, per in stacks.items():
+            depth = per["overall"]["shortlist_size_per_depth"]
+            if depth:
+                ax.plot([int(d) for d in depth], list(depth.values()), marker="o", label=name)

@@ -91,32 +91,21 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from dynaspec.evaluation.plots import figure
 
     groups: dict[tuple, list] = {}
     for r in report["results"]:
         groups.setdefault((r["dtype"], r["rows"], r["backend"]), []).append(r)
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for (dtype, rows, backend), rs in sorted(groups.items()):
-        ax.plot([r["size"] for r in rs], [r["seconds"] * 1e3 for r in rs], marker="o",
-                label=f"{backend} {dtype} rows={rows}")
-    bounds = {(r["dtype"], r["size"]): r["bound"] for r in report["results"]}
-    for dtype in sorted({k[0] for k in bounds}):
-        pts = sorted((s, b) for (dt, s), b in bounds.items() if dt == dtype)
-        ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], linestyle="--", color="gray",
-                label=f"bandwidth bound {dtype}")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("shortlist size (rows of the LM head)")
-    ax.set_ylabel("ms per head product")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, size=(7.5, 4.5), xlabel="shortlist size (rows of the LM head)",
+                ylabel="ms per head product", xlog=True, ylog=True, grid=True, legend=True) as ax:
+        for (dtype, rows, backend), rs in sorted(groups.items()):
+            ax.plot([r["size"] for r in rs], [r["seconds"] * 1e3 for r in rs], marker="o",
+                    label=f"{backend} {dtype} rows={rows}")
+        bounds = {(r["dtype"], r["size"]): r["bound"] for r in report["results"]}
+        for dtype in sorted({k[0] for k in bounds}):
+            pts = sorted((s, b) for (dt, s), b in bounds.items() if dt == dtype)
+            ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], linestyle="--", color="gray",
+                    label=f"bandwidth bound {dtype}")
 
 
 STEP_KEYS = ("embed", "draft_core", "router", "head_gemm")

@@ -160,25 +160,16 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def plot_report(report: dict[str, Any], path: Path, slice_name: str = "overall") -> None:
-    import matplotlib
+    from dynaspec.evaluation.plots import figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, per_slice in report.items():
-        f = per_slice.get(slice_name)
-        if f:
-            ax.scatter([f["mean_size"]], [f["mean_recall"]], label=name)
-            ax.annotate(name, (f["mean_size"], f["mean_recall"]), fontsize=7)
-    ax.set_xscale("log")
-    ax.set_xlabel("average shortlist size (tokens)")
-    ax.set_ylabel("recall of the target's next token")
-    ax.set_title(f"shortlist recall vs size ({slice_name}, dev)")
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, size=(7, 4.5), xlabel="average shortlist size (tokens)",
+                ylabel="recall of the target's next token", xlog=True, grid=True,
+                title=f"shortlist recall vs size ({slice_name}, dev)") as ax:
+        for name, per_slice in report.items():
+            f = per_slice.get(slice_name)
+            if f:
+                ax.scatter([f["mean_size"]], [f["mean_recall"]], label=name)
+                ax.annotate(name, (f["mean_size"], f["mean_recall"]), fontsize=7)
 
 
 def run(stacks: list[str], work: list[str], out: Path, *, depth: int = 6,

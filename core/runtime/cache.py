@@ -1,11 +1,22 @@
-"""Where dynaspec keeps what it computes once per machine (the converted target, probe results)."""
+"""Where dynaspec keeps what it computes once per machine (converted targets, probe results), and
+verified cache folders: a folder is built beside its final place, its ``manifest.json`` (every
+file's size and whole-file checksum) written last, then renamed into place; a folder that fails its
+checks is removed and rebuilt, never used."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
+import time
+import zlib
 from pathlib import Path
 from typing import Any
+
+MANIFEST = "manifest.json"
+FULL_HASH_MAX = 64 << 20  # files up to this size get a sha256, larger ones a CRC-32
+STALE_TMP_S = 6 * 3600  # leftovers of crashed builds older than this are swept away
 
 
 def cache_root() -> Path:
@@ -42,3 +53,86 @@ def update_json(name: str, entries: dict[str, Any]) -> None:
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+def file_check(path: Path) -> dict[str, Any]:
+    """Size and a checksum of the whole file: sha256 up to 64 MiB; above (the 1 GB of weights),
+    CRC-32, which reads at about 5 GB/s here (0.2 s, ~2% of a warm load) and catches any
+    corruption short of a deliberate forgery."""
+    size = path.stat().st_size
+    small = size <= FULL_HASH_MAX
+    digest = hashlib.sha256() if small else None
+    crc = 0
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 24), b""):
+            if small:
+                digest.update(block)
+            else:
+                crc = zlib.crc32(block, crc)
+    if small:
+        return {"size": size, "sha256": digest.hexdigest()}
+    return {"size": size, "crc32": f"{crc:08x}"}
+
+
+def write_manifest(folder: Path, fmt: int, provenance: dict[str, Any]) -> None:
+    """Write ``manifest.json`` last: every file's size and checksum, after an fsync of each."""
+    files = {}
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and path.name != MANIFEST:
+            with path.open("rb") as fh:  # durable before the manifest vouches for it
+                os.fsync(fh.fileno())
+            files[path.name] = file_check(path)
+    manifest = {"format": fmt, **provenance, "files": files}
+    tmp = folder / (MANIFEST + ".part")
+    with tmp.open("w") as fh:
+        json.dump(manifest, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, folder / MANIFEST)
+
+
+def folder_problem(folder: Path, fmt: int, *, required: str) -> str | None:
+    """Why the cached folder cannot be used (no manifest, another ``fmt``, no ``required`` file, a
+    file missing, resized or failing its checksum), or None when it passes the checks."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "no manifest"
+    except (OSError, ValueError) as exc:
+        return f"unreadable manifest ({exc})"
+    if not isinstance(manifest, dict) or manifest.get("format") != fmt:
+        return "manifest of another format"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or required not in files:
+        return f"manifest lists no {required}"
+    for name, expected in files.items():
+        path = folder / name
+        try:
+            if path.stat().st_size != expected.get("size"):
+                return f"{name}: size differs"
+            if file_check(path) != expected:
+                return f"{name}: content check failed"
+        except OSError:
+            return f"{name}: missing"
+    return None
+
+
+def remove_folder(folder: Path) -> None:
+    """Move ``folder`` out of the way atomically, then delete it."""
+    trash = folder.with_name(f".{folder.name}.trash-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        os.replace(folder, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def sweep(parent: Path, name: str) -> None:
+    """Delete the leftovers ``.<name>.*`` of crashed builds and removals beside a cached folder."""
+    now = time.time()
+    for path in parent.glob(f".{name}.*"):
+        try:
+            if ".trash-" in path.name or now - path.stat().st_mtime > STALE_TMP_S:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass

@@ -8,10 +8,8 @@ KV caches keep exactly the committed tokens.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Mapping, Sequence
 
 import attrs
@@ -20,11 +18,12 @@ import torch
 from dynaspec.errors import ConfigError, InputError
 from dynaspec.runtime.config import StackConfig
 from dynaspec.runtime.drafter import DraftCache, Drafter, check_drafter_shape
+from dynaspec.runtime.drafting import Drafting
 from dynaspec.runtime.protocols import DecodeParams, ShortlisterCapabilities, capabilities
 from dynaspec.runtime.registry import Registry, default_registry
 from dynaspec.runtime.stats import GenerationStats
 from dynaspec.runtime.tree import DraftTree
-from dynaspec.runtime.types import BuildContext, DraftStep, Shortlist
+from dynaspec.runtime.types import BuildContext
 
 #: prompts longer than this are prefilled in chunks of PREFILL_CHUNK tokens, with a progress bar
 LONG_PROMPT = 2048
@@ -44,11 +43,6 @@ class GenerationResult:
     def to_json(self) -> dict[str, Any]:
         return {"text": self.text, "token_ids": self.token_ids, "stack": self.stack,
                 **self.stats.to_dict()}
-
-
-def _propose_without_grad(shortlister, step: DraftStep, scheduler):
-    with torch.inference_mode():  # grad mode is per thread: the worker does not inherit it
-        return shortlister.propose(step, scheduler)
 
 
 class PathLogits:
@@ -104,7 +98,8 @@ class Engine:
         backend_ctx = attrs.evolve(self.ctx, head_layout=declared.head_layout)
         self.backend = build("backend", stack.backend.name, stack.backend.kwargs, backend_ctx)
         self._verifiers: dict[str, Any] = {}
-        self._router_pool: ThreadPoolExecutor | None = None  # made on first use (router_overlap)
+        self.drafting = (Drafting(stack.draft, target, drafter, self.shortlister, self.scheduler, self.backend)
+                         if drafter is not None else None)
         self.verifier_for(stack.decode.temperature)  # fail early on a bad verifier
 
     def _check_budget_units(self, declared: ShortlisterCapabilities) -> None:
@@ -362,8 +357,8 @@ class Engine:
         while not done:
             root_pos = n - 1
             # the drafter consumes (x_p, f_{p-1}) for the positions it has not seen yet
-            tree = self._draft(tokens[dcache.length + 1:n], features[dcache.length:root_pos], root_pos,
-                               dcache, params, verifier, generator, stats, tokens[:n])
+            tree = self.drafting.grow(tokens[dcache.length + 1:n], features[dcache.length:root_pos], root_pos,
+                                      dcache, params, verifier, generator, stats, tokens[:n])
             with stats.verification():
                 with stats.timed("target_body"):
                     chain = tree.is_chain
@@ -386,114 +381,6 @@ class Engine:
             stats.accepted_lengths.append(len(chunk))  # what this cycle added to the output
             produced += len(chunk)
             yield chunk
-
-    def _draft(self, fresh_tokens, fresh_features, root_pos, dcache, params, verifier, generator,
-               stats, context) -> DraftTree:
-        """Grow the draft tree below the root (the last committed token)."""
-        cfg, target, drafter = self.stack.draft, self.target, self.drafter
-        device, dtype = target.device, drafter.fc.weight.dtype
-        with stats.timed("embed"):
-            emb = target.embed(fresh_tokens).to(dtype)
-        feats = fresh_features.to(dtype)
-        positions = torch.arange(root_pos - len(fresh_tokens) + 1, root_pos + 1, device=device)
-        step = DraftStep(depth=0, tokens=fresh_tokens[-1:], token_embeddings=emb[-1:],
-                         prev_hidden=feats[-1:], context=context)
-        routing = self._start_routing(step)
-        with stats.timed("draft_core"):
-            out = drafter(emb[None], feats[None], positions[None], cache=dcache)[0][-1:]
-        base = dcache.length
-        tree = DraftTree.with_root(int(fresh_tokens[-1]))
-        frontier: list[int] = [0]
-        slots: dict[int, int] = {}  # tree node -> its entry in the drafter cache (beyond `base`)
-        for depth in range(cfg.depth):
-            counts = self._child_counts(tree, len(frontier), depth, verifier)
-            if not any(counts):
-                break
-            stats.draft_steps += 1
-            with stats.timed("router"):  # with router_overlap, only the wait that was not hidden
-                shortlists = routing() if routing else self.shortlister.propose(step, self.scheduler)
-                routing = None
-            groups = ([(shortlists, list(range(len(frontier))))] if isinstance(shortlists, Shortlist)
-                      else [(sl, [row]) for row, sl in enumerate(shortlists)])
-            new_nodes, parent_row = [], {}
-            for shortlist, rows in groups:
-                stats.shortlist_sizes[depth].extend([shortlist.size(target.vocab_size)] * len(rows))
-                with stats.timed("head_gemm"):
-                    logits = self.backend.logits(out[rows], shortlist)
-                idx, logq, probs = verifier.propose(logits, max(counts[r] for r in rows), params,
-                                                    generator)
-                ids = idx if shortlist.token_ids is None else shortlist.token_ids[idx]
-                for i, row in enumerate(rows):
-                    node = frontier[row]
-                    if probs is not None:
-                        tree.draft_probs[node] = (shortlist.token_ids, probs[i])
-                    for tok, lq in zip(ids[i, : counts[row]].tolist(), logq[i, : counts[row]].tolist()):
-                        child = tree.add(node, tok, lq)
-                        new_nodes.append(child)
-                        parent_row[child] = row
-            if depth == cfg.depth - 1 or self._confidence(tree, new_nodes) < cfg.min_confidence:
-                break
-            # expand the best new nodes: feed (token, parent's predicted feature) to the drafter
-            frontier = sorted(new_nodes, key=lambda n: (-tree.scores[n], n))[: cfg.topk]
-            toks = torch.tensor([tree.tokens[n] for n in frontier], device=device)
-            feats = out[torch.tensor([parent_row[n] for n in frontier], device=device)]
-            with stats.timed("embed"):
-                emb = target.embed(toks).to(dtype)
-            start = dcache.length
-            # with one node per depth the drafter's new cache entries are exactly the frontier's
-            # ancestors, so the causal mask it builds itself is right; a tree needs its own
-            mask = None
-            if cfg.topk > 1:
-                mask = torch.zeros(len(frontier), start + len(frontier), dtype=torch.bool, device=device)
-                mask[:, :base] = True  # the committed context, root included
-                for row, node in enumerate(frontier):
-                    mask[row, [slots[a] for a in tree.ancestors(node)[1:] if a in slots]] = True
-                    mask[row, start + row] = True
-            for row, node in enumerate(frontier):
-                slots[node] = start + row
-            positions = torch.full((1, len(frontier)), root_pos + 1 + depth, device=device)
-            step = DraftStep(depth=depth + 1, tokens=toks, token_embeddings=emb, prev_hidden=feats,
-                             context=context)
-            routing = self._start_routing(step)
-            with stats.timed("draft_core"):
-                out = drafter(emb[None], feats[None], positions, cache=dcache, mask=mask)[0]
-        if routing:
-            routing()  # a step that was routed but not drafted: finish it before returning
-        dcache.crop(base)
-        return tree.keep_best(cfg.total_tokens) if verifier.prunes else tree
-
-    @staticmethod
-    def _confidence(tree: DraftTree, new_nodes: list[int]) -> float:
-        """The drafter's probability of its likeliest new line: the product of the draft
-        probabilities from the root down to the best node just drafted."""
-        return math.exp(max(tree.scores[n] for n in new_nodes)) if new_nodes else 0.0
-
-    def _start_routing(self, step: DraftStep):
-        """With ``draft.router_overlap = "thread"``, start proposing the shortlist of ``step`` on a
-        worker thread (the router reads only E(x_t) and the previous feature, so it can run beside
-        the draft decoder layer) and return a function that waits for it; otherwise None, and the
-        shortlist is proposed inline when it is needed."""
-        if self.stack.draft.router_overlap != "thread":
-            return None
-        if self._router_pool is None:
-            self._router_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynaspec-router")
-        future = self._router_pool.submit(_propose_without_grad, self.shortlister, step, self.scheduler)
-        return future.result
-
-    def _child_counts(self, tree: DraftTree, n_frontier: int, depth: int, verifier) -> list[int]:
-        """How many children each frontier node gets at this depth."""
-        cfg = self.stack.draft
-        if verifier.prunes:
-            return [cfg.topk] * n_frontier
-        # The lossless sampler keeps every child it drew, so the node budget is spread over the
-        # depths up front; counts depend only on sizes, never on which tokens were drawn.
-        remaining = cfg.total_tokens - (len(tree) - 1)
-        per_depth = remaining // (cfg.depth - depth)
-        each = min(cfg.topk, per_depth // n_frontier)
-        if each:
-            return [each] * n_frontier
-        return [1 if row < per_depth else 0 for row in range(n_frontier)]
-
 
 def _cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     """``text`` cut before the earliest stop string in it, and whether one was found."""

@@ -1,20 +1,14 @@
-"""``dynaspec train-drafter``: collect target features on the train split, then train the drafter.
+"""``dynaspec train-drafter --stage train``: train the EAGLE-style drafter on collected shards.
 
-Stage 1 (``collect``) writes shards to a work folder: for each train prompt (the first human turn,
-wrapped in the target's prompt format, :meth:`TargetModel.format_prompt`), the target's own greedy continuation — the text the
-drafter will meet at inference — and the target's normed features over prompt + continuation.
-Shards are written atomically and skipped when present, so an interrupted collection resumes.
-
-Stage 2 (``train``) streams the shards (one in memory at a time) and trains the EAGLE-style drafter:
-predict ``f_p`` from ``(E(x_p), f_{p-1})`` with a smooth-L1 regression in the space the LM head
-reads plus a soft cross-entropy between the target's and the drafter's next-token distributions.
-The 262k-way softmax is too dear on a CPU, so both distributions are taken over a candidate set per
-batch: every token that occurs in the batch plus the most frequent tokens of the collected text
-(the target's greedy next token is the next token of its own continuation, so it is always
-a candidate there). With ``unroll=2`` the drafter is also trained on its own predicted features
-(the second draft step sees ``(E(x_p), f^_{p-1})``), which is what deeper draft steps meet.
-Checkpoints (safetensors + JSON, no pickles) are written every few hundred steps and at each
-epoch end; a rerun resumes from the last one. The final drafter is written atomically.
+The drafter predicts ``f_p`` from ``(E(x_p), f_{p-1})`` with a smooth-L1 regression in the space
+the LM head reads plus a soft cross-entropy between the target's and the drafter's next-token
+distributions. The 262k-way softmax is too dear on a CPU, so both distributions are taken over a
+candidate set per batch: every token that occurs in the batch plus the most frequent tokens of the
+collected text. With ``unroll=2`` the drafter is also trained on its own predicted features (the
+second draft step sees ``(E(x_p), f^_{p-1})``), which is what deeper draft steps meet. Shards are
+streamed one at a time (the collection is :mod:`dynaspec.training.collect`). Checkpoints
+(safetensors + JSON, no pickles) are written every few hundred steps and at each epoch end; a rerun
+resumes from the last one. The final drafter is written atomically.
 """
 
 from __future__ import annotations
@@ -25,157 +19,17 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from dynaspec.runtime.drafter import Drafter, DrafterConfig
 from dynaspec.runtime.files import atomic_write
-from dynaspec.runtime.prompt import format_prompt
 from dynaspec.runtime.target import TargetModel
-from dynaspec.training.shards import describe_shards, load_shard, positions, shard_path, shard_paths
+from dynaspec.training.shards import describe_shards, load_shard, positions, shard_paths
 
 
-# -- stage 1: collection -----------------------------------------------------------------------------
-def _prompt_batches(tokenizer, start: int, count: int, max_prompt_tokens: int,
-                    split: str = "train", slice_name: str | None = None,
-                    fmt: Callable[[str], str] = format_prompt) -> list[tuple[str, list[int]]]:
-    """(id, ids) of ``fmt(first human turn)`` (``fmt``: the target's prompt format)."""
-    from dynaspec.training.data import dev_protocol_prompts, training_prompts
-
-    source = training_prompts() if split == "train" else dev_protocol_prompts(n=1 << 30)
-    if slice_name is not None:
-        source = (item for item in source if item["slice"] == slice_name)
-    items = []
-    for k, item in enumerate(source):
-        if k < start:
-            continue
-        if k >= start + count:
-            break
-        ids = tokenizer(fmt(item["text"]))["input_ids"][:max_prompt_tokens]
-        items.append((item["id"], ids))
-    return items
-
-
-def _raw_batches(tokenizer, start: int, count: int, max_tokens: int, split: str = "train",
-                 slice_name: str | None = None,
-                 fmt: Callable[[str], str] = format_prompt) -> list[tuple[str, list[int], int]]:
-    """(id, ids, prompt length) of ``fmt(first human turn) + " " + first answer`` (the
-    conversation's own answer, not the target's), cut to ``max_tokens`` tokens."""
-    from dynaspec.training.data import conversation_slice, first_answer, first_human_turn, load_split
-
-    items, k = [], 0
-    for conv in load_split(split):
-        human, reply = (first_human_turn(conv) or "").strip(), (first_answer(conv) or "").strip()
-        if not human or not reply or (slice_name is not None and conversation_slice(conv) != slice_name):
-            continue
-        if k >= start + count:
-            break
-        if k >= start:
-            prompt = fmt(human[:1500])
-            ids = tokenizer(prompt + " " + reply)["input_ids"][:max_tokens]
-            items.append((conv["id"], ids, min(len(tokenizer(prompt)["input_ids"]), len(ids))))
-        k += 1
-    return items
-
-
-@torch.inference_mode()
-def _teacher(target: TargetModel, feats: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """The target's greedy next token after every position (argmax of its full logits)."""
-    return torch.cat([target.logits(feats[i:i + chunk].float()).argmax(-1) for i in range(0, len(feats), chunk)])
-
-
-@torch.inference_mode()
-def _generate(target: TargetModel, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Greedy continuations of a batch of prompts (left-padded), cut at EOS."""
-    width = max(len(p) for p in prompts)
-    pad = 0
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
-    out = target.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                do_sample=False, pad_token_id=pad)
-    eos = set(target.eos_token_ids)
-    conts = []
-    for row in range(len(prompts)):
-        cont = out[row, width:].tolist()
-        for i, tok in enumerate(cont):
-            if tok in eos:
-                cont = cont[: i + 1]
-                break
-        conts.append(cont)
-    return conts
-
-
-def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 32, batch: int = 16,
-            new_tokens: int = 96, max_prompt_tokens: int = 384, worker: int = 0,
-            workers: int = 1, split: str = "train", slice_name: str | None = None,
-            source: str = "generated") -> list[Path]:
-    """Write shards ``work/shard-NNNNN.safetensors`` covering the first ``prompts`` prompts of
-    ``split`` (only those of one slice of it with ``slice_name``).
-
-    ``source="generated"``: prompt + the target's own greedy continuation (``new_tokens``; costs a
-    target step per token). ``source="raw"``: prompt + the conversation's own first answer, up to
-    ``max_prompt_tokens + new_tokens`` tokens, in one prefill pass (no generation: here about 25 ms per
-    position, against about 68 ms per continuation token generated); such shards also store ``teacher``, the target's greedy next token at every position,
-    since the text's next token is not the target's choice.
-
-    ``workers`` processes can share the work: worker ``w`` makes the shards ``i`` with
-    ``i % workers == w``."""
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-
-    work.mkdir(parents=True, exist_ok=True)
-    n_shards = math.ceil(prompts / shard_size)
-    paths = []
-    bar = tqdm(total=n_shards, desc="collect", unit="shard", file=sys.stderr)
-    for index in range(n_shards):
-        path = shard_path(work, index)
-        paths.append(path)
-        if path.exists() or index % workers != worker:
-            bar.update(1)
-            continue
-        count = min(shard_size, prompts - index * shard_size)
-        if source == "raw":
-            raw = _raw_batches(target.tokenizer, index * shard_size, count, max_prompt_tokens + new_tokens,
-                               split, slice_name, fmt=target.format_prompt)
-            items = [(i, ids) for i, ids, _ in raw]
-            seqs, prompt_lens = [ids for _, ids in items], [plen for _, _, plen in raw]
-        else:
-            items = _prompt_batches(target.tokenizer, index * shard_size, count, max_prompt_tokens, split,
-                                    slice_name, fmt=target.format_prompt)
-            seqs, prompt_lens = [], []
-            for b in range(0, len(items), batch):
-                chunk = [ids for _, ids in items[b:b + batch]]
-                for ids, cont in zip(chunk, _generate(target, chunk, new_tokens)):
-                    seqs.append(ids + cont)
-                    prompt_lens.append(len(ids))
-        if not items:
-            paths.pop()
-            break  # the split (or slice) has fewer prompts than asked for
-        feats = [target.forward(torch.tensor(s), torch.arange(len(s)), target.new_cache()) for s in seqs]
-        extra = {}
-        if source == "raw":
-            extra["teacher"] = torch.cat([_teacher(target, f) for f in feats]).to(torch.int32)
-        feats = [f.to(torch.bfloat16) for f in feats]
-        offsets = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)
-        tensors = {"tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
-                   "offsets": offsets.to(torch.int64), "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int32),
-                   "features": torch.cat(feats).contiguous(), **extra}
-        meta = {"ids": json.dumps([i for i, _ in items]), "target": json.dumps(target.fingerprint()),
-                "split": split, "slice": slice_name or "all", "source": source,
-                "new_tokens": str(new_tokens)}
-        atomic_write(path, lambda p, t=tensors, m=meta: save_file(t, str(p), metadata=m))
-        bar.update(1)
-        bar.set_postfix(positions=int(offsets[-1]))
-    bar.close()
-    return paths
-
-
-# -- stage 2: training -------------------------------------------------------------------------------
 def _windows(shard: dict[str, torch.Tensor], window: int) -> list[tuple[int, int]]:
     """(start, end) ranges of at most ``window + 1`` tokens, inside one sequence each."""
     out = []
