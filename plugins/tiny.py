@@ -31,7 +31,7 @@ def tiny_config(kind: str, **overrides: Any):
     from transformers import Gemma3TextConfig, LlamaConfig
 
     common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   eos_token_id=None, bos_token_id=0, pad_token_id=None, tie_word_embeddings=True)
     common.update(overrides)
     if kind == "llama":

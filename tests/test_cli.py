@@ -111,8 +111,8 @@ def test_empty_and_too_long_prompts(capsys, tiny_stack):
     _, stack = tiny_stack
     code, _, err = run(capsys, "generate", "   ", "--stack", str(stack))
     assert code == 2 and "the prompt is empty" in err
-    code, _, err = run(capsys, "generate", "x" * 600, "--stack", str(stack))
-    assert code == 2 and "exceeds the target's context of 512" in err
+    code, _, err = run(capsys, "generate", "x" * 2100, "--stack", str(stack))
+    assert code == 2 and "exceeds the target's context of 2048" in err
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -99,3 +99,21 @@ def test_sampled_eval_reports_speed_without_a_token_check(tiny_spec_stack, monke
     # the same prompt sampled with the same seed: the same draws, whether run whole or in parts
     assert second["rows"]["baseline"][0]["token_ids"] == whole["rows"]["baseline"][1]["token_ids"]
     assert second["rows"]["spec"][0]["token_ids"] == whole["rows"]["spec"][1]["token_ids"]
+
+
+def test_each_target_gets_its_own_baseline(tiny_spec_stack, tmp_path, monkeypatch):
+    """Stacks on different targets are each measured against plain decoding of their own target,
+    with the prompt in that target's own format."""
+    items = [{"id": "a", "text": "Hello", "slice": "english"}]
+    monkeypatch.setattr(ev, "dev_protocol_prompts", lambda n, max_chars: items[:n])
+    gemma = tmp_path / "gemma.toml"
+    gemma.write_text('name = "plain-gemma"\ntarget = "tiny-gemma3"\ndrafter = "none"\ndtype = "float32"\n')
+    report = ev.evaluate([str(tiny_spec_stack), str(gemma)], prompts=1, max_new_tokens=6, progress=False)
+    assert report["baselines"] == {"baseline-tiny-gemma3-float32-cpu": "baseline-tiny-gemma3-float32-cpu",
+                                   "baseline-tiny-llama-float32-cpu": "baseline-tiny-llama-float32-cpu",
+                                   "plain-gemma": "baseline-tiny-gemma3-float32-cpu",
+                                   "spec": "baseline-tiny-llama-float32-cpu"}
+    rows = report["rows"]
+    assert rows["plain-gemma"][0]["token_ids"] == rows["baseline-tiny-gemma3-float32-cpu"][0]["token_ids"]
+    assert rows["plain-gemma"][0]["token_ids"] != rows["baseline-tiny-llama-float32-cpu"][0]["token_ids"]
+    assert report["stacks"]["spec"]["overall"]["exact"] and report["stacks"]["plain-gemma"]["overall"]["exact"]

@@ -96,7 +96,7 @@ def ensure_folder(path: str, what: str) -> None:
 
 
 #: commands that read the ShareGPT data (the `data` extra), checked before any model loads
-NEEDS_DATA = {"eval", "train-drafter"}
+NEEDS_DATA = {"eval", "train-drafter", "prepare"}
 
 
 def check_outputs(args: argparse.Namespace) -> None:

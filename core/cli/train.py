@@ -9,11 +9,39 @@ import sys
 import time
 from pathlib import Path
 
-from dynaspec.cli.common import command, command_line
+from dynaspec.cli.common import command, command_line, positive_int
 from dynaspec.errors import ConfigError
+
+#: the stages of `dynaspec prepare` (dynaspec.training.prepare.STAGES, without importing it)
+PREPARE_STAGES = ("collect", "drafter", "frequency", "clusters", "router", "stack")
 
 
 def register(sub) -> None:
+    pr = command(sub, cmd_prepare, "prepare", help="build every artifact of a DynaSpec stack for a new target")
+    pr.add_argument("--target", required=True,
+                    help="a registered target name or a Hugging Face model folder (its chat template, if "
+                    "any, is its prompt format)")
+    pr.add_argument("--out", required=True, help="folder for the artifacts, prepare.json and stack.toml")
+    pr.add_argument("--drafter", default=None,
+                    help="use this drafter (built-in name or folder) instead of training one")
+    pr.add_argument("--stage", nargs="+", default=[], metavar="STAGE", choices=list(PREPARE_STAGES),
+                    help="run only these stages (default: all, skipping those already done)")
+    pr.add_argument("--redo", nargs="+", default=[], metavar="STAGE", choices=list(PREPARE_STAGES),
+                    help="run these stages again even if done (collect resumes and extends)")
+    pr.add_argument("--prompts", type=positive_int, default=2048, help="train prompts to collect")
+    pr.add_argument("--source", choices=["raw", "generated"], default="raw",
+                    help="raw: prompt + the conversation's answer in one prefill (cheap); generated: "
+                    "prompt + the target's own greedy continuation")
+    pr.add_argument("--new-tokens", type=positive_int, default=256,
+                    help="answer tokens kept (raw) or generated (generated) per prompt")
+    pr.add_argument("--steps", type=positive_int, default=1000, help="drafter optimiser steps")
+    pr.add_argument("--batch-positions", type=positive_int, default=2048)
+    pr.add_argument("--clusters", type=positive_int, default=None, metavar="M",
+                    help="vocabulary clusters (default: the vocabulary / 16, at most 1024)")
+    pr.add_argument("--router-epochs", type=positive_int, default=3, help="passes over the router's examples")
+    pr.add_argument("--router-width", type=positive_int, default=1024, help="hidden width of the router's MLP")
+    pr.add_argument("--shard-size", type=positive_int, default=64)
+
     tr = command(sub, cmd_train_drafter, "train-drafter", target=True,
         help="collect target features on ShareGPT train and train the drafter")
     tr.add_argument("--stage", choices=["collect", "train", "all"], default="all")
@@ -77,6 +105,26 @@ def register(sub) -> None:
                     "so the router gets one more class ('in the core') and its clusters only have to "
                     "find the other tokens; use the router with that same frequency list and core")
     rt.add_argument("--frequency", default=None, help="frequency list (name or path) of the --core")
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    """Build everything a DynaSpec stack needs for a new target, resumably, in stages: collect train
+    features in the target's prompt format, train the drafter (unless --drafter is given), count the
+    frequency list, cluster the vocabulary, train the router, and write OUT/stack.toml and the
+    manifest OUT/prepare.json (artifacts, fingerprints, data, command and wall time per stage). Rerun
+    the same command to resume; `--stack OUT/stack.toml` then works."""
+    from dynaspec.training.prepare import PrepareBudget, prepare
+
+    budget = PrepareBudget(prompts=args.prompts, source=args.source, shard_size=args.shard_size,
+                           new_tokens=args.new_tokens, steps=args.steps, batch_positions=args.batch_positions,
+                           clusters=args.clusters, router_epochs=args.router_epochs,
+                           router_width=args.router_width)
+    manifest = prepare(args.target, Path(args.out), budget=budget, drafter=args.drafter, redo=tuple(args.redo),
+                       only=tuple(args.stage), command=command_line())
+    for name, stage in manifest["stages"].items():
+        print(f"{name:<10} {stage['seconds']:>8.1f} s  {', '.join(stage['outputs'])}", file=sys.stderr)
+    print(f"use it: dynaspec generate --stack {Path(args.out) / 'stack.toml'} \"...\"", file=sys.stderr)
+    return 0
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:

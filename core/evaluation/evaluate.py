@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from dynaspec.errors import ConfigError
@@ -53,9 +54,9 @@ def evaluate(stacks: Sequence[str], *, prompts: int = 40, max_new_tokens: int = 
     names = list(engines)
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for k, item in enumerate(tqdm(items, desc="eval", unit="prompt", file=sys.stderr, disable=not progress)):
-        prompt = engines[names[0]].target.format_prompt(item["text"])
         references: dict[str, list[int]] = {}
         for name in names:  # every baseline comes before the stacks it is the reference of
+            prompt = engines[name].target.format_prompt(item["text"])  # each target in its own format
             result = engines[name].generate(prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                                             seed=seed + part[0] + k * part[1])
             if reference_of[name] == name:
@@ -79,9 +80,10 @@ def evaluate(stacks: Sequence[str], *, prompts: int = 40, max_new_tokens: int = 
 def build_engines(stacks: Sequence[str], overrides: dict[str, Any] | None,
                   target=None) -> tuple[dict[str, Engine], dict[str, str]]:
     """Engines for ``stacks`` and for the plain-decoding baseline each is measured against: one
-    baseline per target dtype and device among the stacks (named ``baseline``, or
-    ``baseline-<dtype>-<device>`` when the stacks differ), all sharing one loaded target per dtype
-    and device. Returns the engines, baselines first, and each engine's reference baseline."""
+    baseline per target, dtype and device among the stacks (named ``baseline``, or
+    ``baseline-<dtype>-<device>`` (``baseline-<target>-<dtype>-<device>`` across targets) when the
+    stacks differ), sharing one loaded target per target, dtype and device. Returns the engines,
+    baselines first, and each engine's reference baseline."""
     from dynaspec.runtime.registry import default_registry
     from dynaspec.runtime.stacks import resolve_stack
     from dynaspec.runtime.target import stack_dtype
@@ -89,11 +91,19 @@ def build_engines(stacks: Sequence[str], overrides: dict[str, Any] | None,
     configs = [resolve_stack(ref, overrides=overrides) for ref in stacks if ref != "baseline"]
     if not configs:
         configs = [resolve_stack("baseline")]
-    kind_of = {c.name: (str(stack_dtype(c)).removeprefix("torch."), c.device) for c in configs}
+    kind_of = {c.name: (c.target, str(stack_dtype(c)).removeprefix("torch."), c.device) for c in configs}
     kinds = sorted(set(kind_of.values()))
-    names = {kind: "baseline" if len(kinds) == 1 else f"baseline-{kind[0]}-{kind[1]}" for kind in kinds}
-    baselines = [resolve_stack("baseline", overrides={"dtype": dtype, "device": device})
-                 for dtype, device in kinds]
+    several_targets = len({k[0] for k in kinds}) > 1
+
+    def baseline_name(kind: tuple[str, str, str]) -> str:
+        if len(kinds) == 1:
+            return "baseline"
+        parts = [Path(kind[0]).name] if several_targets else []
+        return "-".join(["baseline", *parts, kind[1], kind[2]])
+
+    names = {kind: baseline_name(kind) for kind in kinds}
+    baselines = [resolve_stack("baseline", overrides={"target": target_ref, "dtype": dtype, "device": device})
+                 for target_ref, dtype, device in kinds]
     if len(set(c.name for c in configs)) < len(configs):
         raise ConfigError("a stack is listed twice")
     registry = default_registry()

@@ -154,20 +154,20 @@ class Engine:
     def from_stacks(cls, stacks: Sequence[str | StackConfig], *,
                     overrides: Mapping[str, Any] | None = None, registry: Registry | None = None,
                     target=None) -> list["Engine"]:
-        """Engines for several stacks that share what they can: one loaded target per dtype and
-        device, and one drafter per drafter artifact on each. ``target`` (optional) serves the
-        stacks whose dtype and device it has."""
+        """Engines for several stacks that share what they can: one loaded target per target, dtype
+        and device, and one drafter per drafter artifact on each. ``target`` (optional, already
+        loaded) serves the stacks whose dtype and device it has."""
         from dynaspec.runtime.stacks import resolve_stack
         from dynaspec.runtime.target import stack_dtype
 
         registry = registry or default_registry()
         targets, drafters, engines = {}, {}, []
-        if target is not None:
-            targets[(target.dtype, target.device.type)] = target
+        given = {(target.dtype, target.device.type): target} if target is not None else {}
         for ref in stacks:
             config = resolve_stack(ref, overrides=overrides, registry=registry)
-            key = (stack_dtype(config), torch.device(config.device).type)
-            engine = cls.from_stack(config, registry=registry, target=targets.get(key),
+            placed = (stack_dtype(config), torch.device(config.device).type)
+            key = (config.target, *placed)
+            engine = cls.from_stack(config, registry=registry, target=targets.get(key) or given.get(placed),
                                     drafter=drafters.get((key, config.drafter)))
             targets[key] = engine.target
             if config.drafter is not None:

@@ -26,12 +26,27 @@ def _looks_like_file(ref: str) -> bool:
     return ref.endswith(".toml") or "/" in ref or Path(ref).is_file()
 
 
+def _relative_to(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """Paths written ``./x`` or ``../x`` in a stack file (the target, the drafter, component
+    parameters) are relative to the file's folder, so a prepared folder can be moved whole."""
+    def fix(value: Any) -> Any:
+        if isinstance(value, str) and value.startswith(("./", "../")):
+            return str((folder / value).resolve())
+        return value
+
+    out = {k: fix(v) if k in ("target", "drafter") else v for k, v in data.items()}
+    for key, value in data.items():
+        if isinstance(value, dict) and key not in ("draft", "decode"):
+            out[key] = {k: fix(v) for k, v in value.items()}
+    return out
+
+
 def _resolve_mapping(ref: str, registry: Registry, seen: tuple[str, ...]) -> dict[str, Any]:
     if ref in seen:
         raise ConfigError(f"stack 'base' cycle: {' -> '.join([*seen, ref])}")
     if _looks_like_file(ref):
         path = Path(ref)
-        data = read_toml(path)
+        data = _relative_to(read_toml(path), path.parent)
         base = data.get("base")
         if isinstance(base, str) and _looks_like_file(base) and not Path(base).is_absolute():
             base = str(path.parent / base)

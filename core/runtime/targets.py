@@ -19,11 +19,14 @@ from dynaspec.runtime.target import TargetModel
 ARTIFACTS_PACKAGE_DIR = "artifacts"
 
 
-def load_target(ref: str, *, registry=None) -> TargetModel:
+def load_target(ref: str | TargetModel, *, registry=None) -> TargetModel:
     """A target by the name a plugin registered it under (``dynaspec_targets``; the built-ins are
-    ``gemma3-270m``, ``tiny-llama`` and ``tiny-gemma3``), or a Hugging Face model directory."""
+    ``gemma3-270m``, ``tiny-llama`` and ``tiny-gemma3``), or a Hugging Face model directory (whose
+    chat template, if it has one, becomes its prompt format). A loaded target is returned as is."""
     from dynaspec.runtime.registry import default_registry
 
+    if isinstance(ref, TargetModel):
+        return ref
     registry = registry or default_registry()
     if ref in registry.names("target"):
         return registry.build("target", ref, {}, None)
@@ -33,7 +36,7 @@ def load_target(ref: str, *, registry=None) -> TargetModel:
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
         tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
-        return TargetModel(model, tokenizer, name=str(path))
+        return TargetModel(model, tokenizer, name=str(path), prompt_format=chat_prompt_format(tokenizer))
     raise UnknownComponentError(
         f"unknown target '{ref}': not a registered target ({', '.join(registry.names('target'))}) "
         "nor a model directory")
@@ -54,3 +57,18 @@ def load_drafter(ref: str, target: TargetModel) -> Drafter:
     """Load a drafter for ``target``, refusing one trained for another target."""
     return Drafter.load(resolve_artifact(ref), target_fingerprint=target.fingerprint(),
                         dtype=target.dtype).to(target.device)
+
+
+def chat_prompt_format(tokenizer) -> str | None:
+    """The prompt format a tokenizer's chat template writes for one user message (``{text}`` where
+    the message goes, the assistant's turn opened), or None without a template. A leading BOS
+    written by the template is dropped: the tokenizer adds it itself."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return None
+    marker = "\u0000TEXT\u0000"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                         add_generation_prompt=True)
+    bos = getattr(tokenizer, "bos_token", None)
+    if bos and text.startswith(bos):
+        text = text[len(bos):]
+    return text.replace(marker, "{text}")

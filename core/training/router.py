@@ -167,7 +167,7 @@ def train_shards(folders: list[str], max_shards: int | None) -> list[Path]:
     return shards
 
 
-def build_router(target_ref: str, work: list[str], clusters_ref: str, out: Path, *,
+def build_router(target_ref, work: list[str], clusters_ref: str, out: Path, *,
                  drafter_ref: str | None = None, width: int = 1024, epochs: int = 3, lr: float = 2e-3,
                  max_shards: int | None = None, core: int | None = None, frequency_ref: str | None = None,
                  command: str = "") -> dict[str, Any]:

@@ -54,7 +54,7 @@ def export_token_map(ranked: torch.Tensor, size: int, path: str | Path) -> Path:
     return path
 
 
-def build_frequency_list(target_ref: str, source: str, out: Path, *, work: str | None = None,
+def build_frequency_list(target_ref, source: str, out: Path, *, work: str | None = None,
                          limit: int | None = None, export=(), command: str = "") -> Path:
     """Count, rank and save a frequency list for a target (``source``: ``raw`` or ``generated``)."""
     from dynaspec.runtime.targets import load_target
@@ -70,13 +70,14 @@ def build_frequency_list(target_ref: str, source: str, out: Path, *, work: str |
     elif source == "generated":
         if not work:
             raise ConfigError("--source generated needs --work (a `train-drafter --stage collect` folder)")
-        from dynaspec.training.shards import shard_paths
+        from dynaspec.training.shards import describe_shards, shard_paths
 
         shards = shard_paths(work)
         if not shards:
             raise ConfigError(f"no collected shards in {work}")
         counts = count_generated(shards, target.vocab_size)
-        corpus = f"target greedy continuations of sharegpt train prompts ({len(shards)} shards in {work})"
+        corpus = (f"the continuations (text after the prompt) of {len(shards)} collected shards: "
+                  f"{describe_shards(shards)['data']}")
     else:
         raise ConfigError(f"unknown source {source!r}: 'raw' or 'generated'")
     provenance = {"target": target.fingerprint(), "source": source, "corpus": corpus,
@@ -88,7 +89,7 @@ def build_frequency_list(target_ref: str, source: str, out: Path, *, work: str |
     return path
 
 
-def build_clusters(target_ref: str, out: Path, *, clusters: int, iterations: int, seed: int,
+def build_clusters(target_ref, out: Path, *, clusters: int, iterations: int, seed: int,
                    command: str = "") -> tuple[Path, dict[str, Any]]:
     """Spherical k-means of a target's LM-head rows into ``clusters`` clusters, saved to ``out``."""
     from dynaspec.runtime.targets import load_target

@@ -1,0 +1,195 @@
+"""``dynaspec prepare``: everything a DynaSpec stack needs for a new target, in one resumable command.
+
+Stages, in order, each written into the output folder ``DIR``:
+
+1. ``collect``: target features on train prompts, in the target's own prompt format (``DIR/work``);
+2. ``drafter``: the EAGLE-style drafter trained on them (``DIR/drafter``), unless one is given;
+3. ``frequency``: the frequency list of the collected text (``DIR/frequency``);
+4. ``clusters``: spherical k-means of the LM-head rows (``DIR/clusters``);
+5. ``router``: the router over those clusters, fed the drafter's features (``DIR/router``);
+6. ``stack``: ``DIR/stack.toml``, the default stack's settings on these artifacts (paths relative to
+   the folder, so it can be moved whole).
+
+``DIR/prepare.json`` (the manifest, rewritten atomically after each stage) records every
+artifact, its fingerprint, the data, and the command and wall time of each stage. A rerun skips the
+finished stages; an interrupted stage resumes where it stopped (shards already collected are kept,
+the drafter resumes from its checkpoint); ``--redo STAGE`` runs one stage again.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+
+from dynaspec.errors import ConfigError
+from dynaspec.runtime.files import atomic_write
+
+STAGES = ("collect", "drafter", "frequency", "clusters", "router", "stack")
+MANIFEST = "prepare.json"
+FORMAT = "dynaspec-prepare/1"
+
+
+@attrs.frozen
+class PrepareBudget:
+    """How much work each stage does; the defaults fit a 2-core CPU in a few hours for a
+    sub-billion-parameter target."""
+
+    prompts: int = 2048            # train prompts collected
+    source: str = "raw"            # raw: prompt + the conversation's answer (one prefill); generated
+    shard_size: int = 64
+    new_tokens: int = 256          # raw: answer tokens kept; generated: tokens generated
+    steps: int = 1000              # drafter optimiser steps
+    batch_positions: int = 2048
+    clusters: int | None = None    # None: min(1024, vocabulary / 16)
+    kmeans_iterations: int = 25
+    router_epochs: int = 3
+    router_width: int = 1024
+
+
+def _read_manifest(out: Path) -> dict[str, Any]:
+    path = out / MANIFEST
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ConfigError(f"{path} is not valid JSON ({exc}); remove it to start over") from None
+    if data.get("format") != FORMAT:
+        raise ConfigError(f"{path} is not a dynaspec prepare manifest")
+    return data
+
+
+def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
+    atomic_write(out / MANIFEST, lambda p: Path(p).write_text(json.dumps(manifest, indent=2, sort_keys=True)))
+
+
+def _digest(path: Path) -> str:
+    """sha256 over the files of an artifact folder (names and contents), to record what was built."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for file in sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file()):
+        digest.update(file.name.encode())
+        digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _stack_toml(target_ref: str, drafter: str, clusters: int, command: str) -> str:
+    k_max = min(128, clusters)
+    return (f"# written by `{command}`\n"
+            f'name = "prepared"\n'
+            f'description = "the default stack on the artifacts prepared in this folder"\n'
+            f'base = "default"\n'
+            f"target = {json.dumps(target_ref)}\n"
+            f"drafter = {json.dumps(drafter)}\n"
+            f"[shortlister]\n"
+            f'name = "dynaspec"\n'
+            f'clusters = "./clusters"\n'
+            f'router = "./router"\n'
+            f"[scheduler]\n"
+            f'name = "confidence"\n'
+            f"k_max = {k_max}\n"
+            f"k_min = {min(4, k_max)}\n"
+            f"mass = 0.95\n")
+
+
+def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget(),
+            drafter: str | None = None, redo: tuple[str, ...] = (), only: tuple[str, ...] = (),
+            command: str = "", seed: int = 0) -> dict[str, Any]:
+    """Run the stages of ``dynaspec prepare`` for ``target_ref`` into ``out``; returns the manifest."""
+    from dynaspec.runtime.targets import load_target, resolve_artifact
+    from dynaspec.training import collect as collect_mod
+    from dynaspec.training import drafter as drafter_training
+    from dynaspec.training.router import build_router
+    from dynaspec.training.shards import describe_shards, shard_paths
+    from dynaspec.training.vocabulary import build_clusters, build_frequency_list
+
+    for name in (*redo, *only):
+        if name not in STAGES:
+            raise ConfigError(f"unknown stage {name!r}: one of {', '.join(STAGES)}")
+    if Path(target_ref).is_dir():
+        target_ref = str(Path(target_ref).resolve())
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = _read_manifest(out)
+    target = load_target(target_ref)
+    fingerprint = target.fingerprint()
+    if manifest and manifest.get("fingerprint") != fingerprint:
+        raise ConfigError(f"{out} was prepared for target {manifest.get('target')!r}, not {target_ref!r}: "
+                          "use another --out")
+    if budget.clusters is None:
+        budget = attrs.evolve(budget, clusters=min(1024, max(2, target.vocab_size // 16)))
+    if budget.clusters > target.vocab_size:
+        raise ConfigError(f"--clusters {budget.clusters} exceeds the target's vocabulary ({target.vocab_size})")
+    manifest = {"format": FORMAT, "target": target_ref, "fingerprint": fingerprint,
+                "budget": attrs.asdict(budget), "stages": {}, **manifest}
+    manifest["budget"] = attrs.asdict(budget)
+    work = out / "work"
+    drafter_dir = Path(resolve_artifact(drafter)) if drafter else out / "drafter"
+
+    def collect() -> dict[str, Any]:
+        collect_mod.collect(target, work, prompts=budget.prompts, shard_size=budget.shard_size,
+                            new_tokens=budget.new_tokens, source=budget.source)
+        described = describe_shards(shard_paths(work))
+        return {"outputs": ["work"], "data": described["data"], "shards": described["shards"]}
+
+    def train_drafter() -> dict[str, Any]:
+        if drafter:  # a given drafter is checked against the target and used as it is
+            from dynaspec.runtime.targets import load_drafter
+
+            load_drafter(str(drafter_dir), target)
+            return {"outputs": [str(drafter_dir)], "given": True}
+        drafter_training.train(target, work, drafter_dir, steps=budget.steps,
+                               batch_positions=budget.batch_positions, seed=seed,
+                               provenance={"command": command, "target": target_ref, "work": "work"})
+        return {"outputs": ["drafter"]}
+
+    def frequency() -> dict[str, Any]:
+        build_frequency_list(target, "generated", out / "frequency", work=str(work), command=command)
+        return {"outputs": ["frequency"]}
+
+    def clusters() -> dict[str, Any]:
+        _, log = build_clusters(target, out / "clusters", clusters=budget.clusters,
+                                iterations=budget.kmeans_iterations, seed=seed, command=command)
+        return {"outputs": ["clusters"], "cluster_sizes": [log["min_size"], log["max_size"]]}
+
+    def router() -> dict[str, Any]:
+        stats = build_router(target, [str(work)], str(out / "clusters"), out / "router",
+                             drafter_ref=str(drafter_dir), width=budget.router_width,
+                             epochs=budget.router_epochs, command=command)
+        return {"outputs": ["router"], "held_out_recall": stats["held_out_recall"]}
+
+    def stack() -> dict[str, Any]:
+        given = str(drafter_dir) if drafter and Path(drafter).exists() else drafter
+        text = _stack_toml(target_ref, given or "./drafter", budget.clusters, command)
+        atomic_write(out / "stack.toml", lambda p: Path(p).write_text(text))
+        return {"outputs": ["stack.toml"]}
+
+    runs: dict[str, Callable[[], dict[str, Any]]] = {
+        "collect": collect, "drafter": train_drafter, "frequency": frequency, "clusters": clusters,
+        "router": router, "stack": stack}
+    for name in STAGES:
+        if only and name not in only:
+            continue
+        done = manifest["stages"].get(name, {}).get("finished")
+        if done and name not in redo:
+            print(f"dynaspec prepare: {name}: done earlier ({done}), skipped", file=sys.stderr)
+            continue
+        if name in redo and name in ("frequency", "clusters", "router"):
+            shutil.rmtree(out / name, ignore_errors=True)
+        if name in redo and name == "drafter" and not drafter:  # train afresh, not from the checkpoint
+            shutil.rmtree(work / f"ckpt-{drafter_dir.name}", ignore_errors=True)
+            shutil.rmtree(drafter_dir, ignore_errors=True)
+        print(f"dynaspec prepare: {name} ...", file=sys.stderr, flush=True)
+        started = time.time()
+        record = runs[name]()
+        digests = {o: _digest(out / o) for o in record["outputs"] if o != "work" and (out / o).exists()}
+        manifest["stages"][name] = {**record, "sha256": digests, "command": command, "seconds": round(time.time() - started, 1),
+                                    "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        _write_manifest(out, manifest)
+    return manifest

@@ -1,0 +1,133 @@
+"""``dynaspec prepare`` end to end on a tiny target: every stage, the manifest, resuming after an
+interruption, redoing one stage, a given drafter, a moved folder, and the README's commands."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import trained_drafter
+from dynaspec.errors import ArtifactMismatchError, ConfigError
+from dynaspec.runtime.engine import Engine
+from dynaspec.training import prepare as prep
+from dynaspec.training.prepare import STAGES, PrepareBudget, prepare
+
+# generated continuations: the tiny target's own text, which a drafter learns in seconds
+BUDGET = PrepareBudget(prompts=16, source="generated", shard_size=4, new_tokens=32, steps=300,
+                       batch_positions=256, router_width=32)
+
+
+def _plain_and_spec(stack: Path, prompt: str = "Hello there") -> tuple:
+    spec = Engine.from_stack(str(stack))
+    plain = Engine.from_stack(str(stack), overrides={"drafter": "none"})
+    prompt = spec.target.format_prompt(prompt)  # the format the drafter was trained in
+    return spec.generate(prompt, max_new_tokens=24), plain.generate(prompt, max_new_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prepare") / "tiny"
+    manifest = prepare("tiny-llama", out, budget=BUDGET, command="test")
+    return out, manifest
+
+
+def test_prepare_builds_every_stage_and_a_working_stack(prepared):
+    out, manifest = prepared
+    assert sorted(manifest["stages"]) == sorted(STAGES)
+    for name, stage in manifest["stages"].items():
+        assert stage["seconds"] >= 0 and stage["command"] == "test" and stage["finished"], name
+    assert manifest["budget"]["clusters"] == 8  # vocabulary 128 / 16
+    assert set(manifest["stages"]["router"]["sha256"]) == {"router"}
+    assert "shards of first human turns" in manifest["stages"]["collect"]["data"]
+    assert json.loads((out / prep.MANIFEST).read_text()) == manifest
+    spec, plain = _plain_and_spec(out / "stack.toml")
+    assert spec.token_ids == plain.token_ids  # exact
+    assert spec.stats.mean_accepted_length > 1.2  # and the drafter it trained drafts
+    assert spec.stats.mean_shortlist_size <= 128
+
+
+def test_rerun_skips_finished_stages_and_redo_runs_one(prepared, capsys):
+    out, manifest = prepared
+    again = prepare("tiny-llama", out, budget=BUDGET, command="test")
+    assert again["stages"] == manifest["stages"]
+    assert capsys.readouterr().err.count("done earlier") == len(STAGES)
+    redone = prepare("tiny-llama", out, budget=BUDGET, redo=("clusters",), only=("clusters",), command="redo")
+    assert redone["stages"]["clusters"]["command"] == "redo"
+    assert redone["stages"]["router"] == manifest["stages"]["router"]
+
+
+def test_an_interrupted_prepare_resumes_where_it_stopped(tmp_path, monkeypatch):
+    out = tmp_path / "tiny"
+    import dynaspec.training.router as router_mod
+
+    real = router_mod.build_router
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(router_mod, "build_router", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare("tiny-llama", out, budget=BUDGET, command="first")
+    done = json.loads((out / prep.MANIFEST).read_text())["stages"]
+    assert sorted(done) == sorted(["collect", "drafter", "frequency", "clusters"])
+    monkeypatch.setattr(router_mod, "build_router", real)
+    manifest = prepare("tiny-llama", out, budget=BUDGET, command="second")
+    assert [manifest["stages"][s]["command"] for s in STAGES] == ["first"] * 4 + ["second"] * 2
+
+
+def test_refuses_another_target_and_bad_budgets(prepared, tmp_path):
+    out, _ = prepared
+    with pytest.raises(ConfigError, match="was prepared for target 'tiny-llama', not 'tiny-gemma3'"):
+        prepare("tiny-gemma3", out, budget=BUDGET)
+    with pytest.raises(ConfigError, match="exceeds the target's vocabulary"):
+        prepare("tiny-llama", tmp_path / "x", budget=PrepareBudget(clusters=4096))
+    with pytest.raises(ConfigError, match="unknown stage 'train'"):
+        prepare("tiny-llama", tmp_path / "y", only=("train",))
+
+
+def test_a_given_drafter_is_used_and_checked(prepared, tmp_path):
+    out, _ = prepared
+    trained_drafter("llama").save(tmp_path / "mine")
+    manifest = prepare("tiny-llama", tmp_path / "p", budget=BUDGET, drafter=str(tmp_path / "mine"))
+    assert manifest["stages"]["drafter"]["given"] is True
+    assert not (tmp_path / "p" / "drafter").exists()
+    assert str(tmp_path / "mine") in (tmp_path / "p" / "stack.toml").read_text()
+    with pytest.raises(ArtifactMismatchError):
+        prepare("tiny-gemma3", tmp_path / "q", budget=BUDGET, drafter=str(tmp_path / "mine"))
+
+
+def test_the_prepared_folder_can_be_moved(prepared, tmp_path):
+    out, _ = prepared
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(out, moved)
+    spec, plain = _plain_and_spec(moved / "stack.toml")
+    assert spec.token_ids == plain.token_ids
+
+
+def test_readme_use_your_own_model_commands(tmp_path):
+    """The README's commands, run as written on a tiny Hugging Face model folder."""
+    from dynaspec.plugins.tiny import tiny_target
+
+    tiny = tiny_target("llama")
+    tiny.model.save_pretrained(tmp_path / "model")
+    tiny.tokenizer.save_pretrained(tmp_path / "model")
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Use your own model", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
+    commands = [line for line in block.splitlines() if line.startswith("dynaspec ")]
+    assert [c.split()[1] for c in commands] == ["prepare", "generate", "eval"]
+    for line in commands:
+        argv = [a.strip('"') for a in re.findall(r'"[^"]*"|\S+', line.replace("path/to/model",
+                                                                             str(tmp_path / "model")))]
+        out = subprocess.run([sys.executable, "-m", "dynaspec", *argv[1:], *(["--threads", "1"])],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=900)
+        assert out.returncode == 0, f"{line}\n{out.stderr[-3000:]}"
+    manifest = json.loads((tmp_path / "my-model" / "prepare.json").read_text())
+    assert manifest["target"] == str((tmp_path / "model").resolve())
+    assert sorted(manifest["stages"]) == sorted(STAGES)
