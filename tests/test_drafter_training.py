@@ -167,9 +167,20 @@ def test_train_drafter_cli_records_its_data_and_refuses_dev_shards(tmp_path, fak
     config = json.loads((tmp_path / "drafter" / "drafter.json").read_text())
     assert config["training"]["shard_sources"] == {"generated": 2}
     assert "2 shards of first human turns" in config["training"]["data"]
+    assert config["training"]["work"] == ["w"]  # folder names, no machine paths
     dc.collect(tgt, tmp_path / "d", prompts=2, shard_size=2, batch=2, new_tokens=4, split="dev")
     assert main([*args[:6], str(tmp_path / "d"), *args[7:], "--out", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
+    # several folders: every shard of each is read, the checkpoints live in the first
+    dc.collect(tgt, tmp_path / "more", prompts=2, shard_size=2, batch=2, new_tokens=6)
+    both = [*args[:6], str(tmp_path / "w"), str(tmp_path / "more"), *args[7:], "--out", str(tmp_path / "two")]
+    assert main(both) == 0
+    training = json.loads((tmp_path / "two" / "drafter.json").read_text())["training"]
+    assert training["shards_at_end"] == 3 and training["work"] == ["w", "more"]
+    state = json.loads((tmp_path / "w" / "ckpt-two" / "checkpoint.json").read_text())
+    assert "../more/shard-00000.safetensors" in state["shards"]
+    assert main([*args[:4], "collect", "--work", str(tmp_path / "w"), str(tmp_path / "more"), "--out",
+                 str(tmp_path / "y")]) == 2  # collection writes one folder
 
 
 def test_collection_writes_the_targets_own_prompt_format(tmp_path, monkeypatch):

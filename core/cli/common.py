@@ -114,7 +114,8 @@ def check_outputs(args: argparse.Namespace) -> None:
         folder = Path(out).parent if out.endswith(".safetensors") else Path(out)
         ensure_folder(str(folder), "--out")
     if args.command == "train-drafter":
-        ensure_folder(args.work, "--work")
+        for work in args.work:
+            ensure_folder(work, "--work")
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -45,7 +45,9 @@ def register(sub) -> None:
     tr = command(sub, cmd_train_drafter, "train-drafter", target=True,
         help="collect target features on ShareGPT train and train the drafter")
     tr.add_argument("--stage", choices=["collect", "train", "all"], default="all")
-    tr.add_argument("--work", required=True, help="folder for shards and checkpoints")
+    tr.add_argument("--work", required=True, nargs="+",
+                    help="folder for shards and checkpoints; the train stage may read several (the "
+                    "checkpoints go in the first), the collect stage writes one")
     tr.add_argument("--out", help="folder to write the drafter to")
     tr.add_argument("--prompts", type=int, default=2048, help="train prompts to collect")
     tr.add_argument("--shard-size", type=int, default=32)
@@ -135,8 +137,10 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     from dynaspec.training import drafter as dt
     from dynaspec.training.collect import collect
 
+    if args.stage in ("collect", "all") and len(args.work) > 1:
+        raise ConfigError("--stage collect writes one --work folder; give one")
     target = load_target(args.target)
-    work = Path(args.work)
+    work = Path(args.work[0])
     started = time.time()
     if args.stage in ("collect", "all"):
         collect(target, work, prompts=args.prompts, shard_size=args.shard_size, batch=args.batch,
@@ -146,8 +150,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     if args.stage in ("train", "all"):
         if not args.out:
             raise ConfigError("--out is required to train")
-        provenance = {"command": command_line(), "target": args.target, "work": str(work)}
-        dt.train(target, work, Path(args.out), epochs=args.epochs, steps=args.steps, lr=args.lr,
+        provenance = {"command": command_line(), "target": args.target, "work": [Path(w).name for w in args.work]}
+        dt.train(target, [Path(w) for w in args.work], Path(args.out), epochs=args.epochs, steps=args.steps, lr=args.lr,
                  window=args.window, batch_positions=args.batch_positions, unroll=args.unroll,
                  max_shards=args.max_shards, provenance=provenance)
     print(f"done in {time.time() - started:.0f} s", file=sys.stderr)

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -132,26 +133,30 @@ def _load_checkpoint(drafter: Drafter, opt: torch.optim.Optimizer, work: Path) -
     return state
 
 
-def train(target: TargetModel, work: Path, out: Path, *, epochs: int = 2, steps: int | None = None,
+def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs: int = 2, steps: int | None = None,
           lr: float = 1e-3, window: int = 256, batch_positions: int = 2048, unroll: int = 2,
           frequent: int = 2048, noise: float = 0.1, max_shards: int | None = None, seed: int = 0,
           checkpoint_every: int = 100, provenance: dict[str, Any] | None = None) -> Drafter:
-    """Train a drafter on the collected shards of ``work``; write it to ``out``.
+    """Train a drafter on the collected shards of ``work`` (one folder, or several: say an English
+    and code collection and a non-English one); write it to ``out``.
 
     With ``steps`` the run lasts that many optimiser steps and the shard list is read again at
     every epoch, so a collection still running beside the training feeds later epochs. Checkpoints
-    live in ``work/ckpt-<out name>``; a rerun with the same arguments resumes there.
+    live in ``<first work folder>/ckpt-<out name>``; a rerun with the same arguments resumes there.
     """
     from tqdm import tqdm
 
+    folders = [Path(work)] if isinstance(work, (str, Path)) else [Path(w) for w in work]
+    first = folders[0]
+
     def shard_list() -> list[Path]:
-        return shard_paths(work)[:max_shards]
+        return [p for folder in folders for p in shard_paths(folder)[:max_shards]]
 
     paths = shard_list()
     if not paths:
-        raise FileNotFoundError(f"no shards in {work}: run the collection first")
+        raise FileNotFoundError(f"no shards in {', '.join(map(str, folders))}: run the collection first")
     describe_shards(paths)  # refuses dev shards before any training
-    ckpt = work / f"ckpt-{out.name}"
+    ckpt = first / f"ckpt-{out.name}"
     ckpt.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     drafter = Drafter(DrafterConfig.like_target(target.model)).float()
@@ -184,11 +189,11 @@ def train(target: TargetModel, work: Path, out: Path, *, epochs: int = 2, steps:
         if not state["shards"]:  # a new epoch: the current shard list, shuffled
             current = shard_list()
             describe_shards(current)  # a shard added since the start must be train too
-            names = [p.name for p in current]
+            names = [os.path.relpath(p, first) for p in current]  # plain names for the first folder
             random.Random(seed + state["epoch"]).shuffle(names)
             state["shards"] = names
         for pos in range(state["shard"], len(state["shards"])):
-            shard = load_shard(work / state["shards"][pos])
+            shard = load_shard(first / state["shards"][pos])
             rng = random.Random(seed * 1000 + state["epoch"] * 100 + pos)
             for batch in _batches(shard, window, batch_positions, rng):
                 if steps is not None and done():
