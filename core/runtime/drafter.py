@@ -44,6 +44,11 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     activation: str = attrs.field(default="silu")
     qk_norm: bool = False
+    #: the RMS norms before the attention and after the layer, and the bias of ``fc``: all on in
+    #: dynaspec's own drafters; EAGLE-1/2 checkpoints have neither norm (see dynaspec.runtime.eagle)
+    input_norm: bool = True
+    output_norm: bool = True
+    fc_bias: bool = True
 
     @activation.validator
     def _act(self, _a, value):
@@ -118,7 +123,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.cfg = cfg
-        self.input_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.input_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.input_norm else nn.Identity()
         self.q_proj = nn.Linear(d, h * hd, bias=False)
         self.k_proj = nn.Linear(d, kv * hd, bias=False)
         self.v_proj = nn.Linear(d, kv * hd, bias=False)
@@ -170,9 +175,9 @@ class Drafter(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.meta: dict[str, Any] = dict(meta or {})
-        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
         self.layer = DecoderLayer(cfg)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.output_norm else nn.Identity()
 
     def forward(self, token_embeddings: torch.Tensor, features: torch.Tensor,
                 positions: torch.Tensor, cache: DraftCache | None = None,
