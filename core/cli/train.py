@@ -101,6 +101,7 @@ def register(sub) -> None:
     rt.add_argument("--width", type=int, default=1024)
     rt.add_argument("--epochs", type=int, default=3)
     rt.add_argument("--lr", type=float, default=2e-3)
+    rt.add_argument("--batch", type=positive_int, default=1024, help="examples per optimisation step")
     rt.add_argument("--max-shards", type=int, default=None)
     rt.add_argument("--core", type=int, default=None, metavar="N",
                     help="train for the `hybrid` shortlister: its top N --frequency tokens are always on, "
@@ -190,6 +191,6 @@ def cmd_train_router(args: argparse.Namespace) -> int:
 
     stats = build_router(args.target, args.work, args.clusters, Path(args.out), drafter_ref=args.drafter,
                          width=args.width, epochs=args.epochs, lr=args.lr, max_shards=args.max_shards,
-                         core=args.core, frequency_ref=args.frequency, command=command_line())
+                         core=args.core, frequency_ref=args.frequency, batch=args.batch, command=command_line())
     print(json.dumps(stats["held_out_recall"]), file=sys.stderr)
     return 0

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from dynaspec.runtime.drafter import Drafter, DrafterConfig
 from dynaspec.runtime.files import atomic_write
 from dynaspec.runtime.target import TargetModel
+from dynaspec.training import distributed
 from dynaspec.training.shards import describe_shards, load_shard, positions, shard_paths
 
 
@@ -64,8 +65,32 @@ def _frequent_tokens(paths: list[Path], count: int) -> torch.Tensor:
     return counts.argsort(descending=True)[:count]
 
 
-def _step_loss(drafter: Drafter, head: torch.Tensor, frequent: torch.Tensor, shard, batch,
-               embed, unroll: int, noise: float) -> tuple[torch.Tensor, dict[str, float]]:
+class _Unrolled(torch.nn.Module):
+    """The drafter over ``unroll`` draft steps, each after the first fed the drafter's own predicted
+    features: one forward per optimiser step, as DistributedDataParallel wants."""
+
+    def __init__(self, drafter: Drafter, unroll: int) -> None:
+        super().__init__()
+        self.drafter, self.unroll = drafter, unroll
+
+    def forward(self, emb: torch.Tensor, inp: torch.Tensor, first: torch.Tensor,
+                positions: torch.Tensor) -> list[torch.Tensor]:
+        preds = []
+        for _ in range(self.unroll):
+            pred = self.drafter(emb, inp, positions).float()
+            preds.append(pred)
+            inp = torch.cat([first, pred[:, :-1]], dim=1)  # the next step reads its own prediction
+        return preds
+
+
+def _step_loss(model: torch.nn.Module, head: torch.Tensor, frequent: torch.Tensor, shard, batch,
+               embed, noise: float, generator: torch.Generator, rank: int = 0,
+               world: int = 1) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of one optimiser step over ``batch`` (windows of one shard). Every process builds
+    the whole batch (its candidate set, noise and position count), then runs rows ``rank::world``
+    only; the loss is this process's share of the batch mean, times ``world`` since
+    DistributedDataParallel averages the gradients, so any number of processes computes the
+    gradient of one process over the whole batch."""
     tokens, feats = shard["tokens"], shard["features"]
     width = max(b - a for a, b in batch) - 1
     bsz = len(batch)
@@ -81,25 +106,26 @@ def _step_loss(drafter: Drafter, head: torch.Tensor, frequent: torch.Tensor, sha
         valid[row, :n] = True
     cand = torch.unique(torch.cat([x[valid], frequent]))
     w_c = head.index_select(0, cand).float()  # [C, d]
-    with torch.no_grad():
-        emb = embed(x).float()
-        teacher = torch.softmax(nxt.float() @ w_c.T, dim=-1)[valid]
-    positions = torch.arange(1, width + 1)[None].expand(bsz, -1)
     inp = prev.float()
     if noise:
-        inp = inp + (torch.rand_like(inp) - 0.5) * noise * inp.std()
+        inp = inp + (torch.rand(inp.shape, generator=generator) - 0.5) * noise * inp.std()
+    count = int(valid.sum())  # positions in the whole batch
+    rows = slice(rank, None, world)
+    x, inp, nxt, valid = x[rows], inp[rows], nxt[rows].float(), valid[rows]
+    with torch.no_grad():
+        emb = embed(x).float()
+        teacher = torch.softmax(nxt[valid] @ w_c.T, dim=-1)
+    positions = torch.arange(1, width + 1)[None].expand(len(x), -1)
+    preds = model(emb, inp, prev[rows][:, :1].float(), positions)
     total, stats = 0.0, {}
-    for k in range(unroll):
-        pred = drafter(emb, inp, positions).float()
-        reg = F.smooth_l1_loss(pred[valid], nxt.float()[valid])
+    for k, pred in enumerate(preds):
+        reg = F.smooth_l1_loss(pred[valid], nxt[valid], reduction="sum") / (count * pred.shape[-1])
         logp = torch.log_softmax(pred[valid] @ w_c.T, dim=-1)
-        ce = -(teacher * logp).sum(-1).mean()
+        ce = -(teacher * logp).sum() / count
         total = total + (reg + ce) * (1.0 if k == 0 else 0.5)
-        stats[f"ce{k}"] = float(ce.detach())
+        stats[f"ce{k}"] = float(ce.detach()) * world
         stats[f"acc{k}"] = float((logp.argmax(-1) == teacher.argmax(-1)).float().mean())
-        # next unroll step: the drafter reads its own prediction of f_{p-1}
-        inp = torch.cat([prev[:, :1].float(), pred[:, :-1]], dim=1)
-    return total, stats
+    return total * world, stats
 
 
 def _save_checkpoint(drafter: Drafter, opt: torch.optim.Optimizer, state: dict[str, Any], work: Path) -> None:
@@ -158,6 +184,7 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
     describe_shards(paths)  # refuses dev shards before any training
     ckpt = first / f"ckpt-{out.name}"
     ckpt.mkdir(parents=True, exist_ok=True)
+    rank, world = distributed.join()
     torch.manual_seed(seed)
     drafter = Drafter(DrafterConfig.like_target(target.model)).float()
     head = target.lm_head_weight.detach()
@@ -171,14 +198,16 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
         return lr * warm * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps)))
 
     embed = target.embed
+    model = distributed.wrap(_Unrolled(drafter, unroll), world)  # each process: the whole model
     bar = tqdm(total=total_steps, initial=min(state["step"], total_steps), desc="train", unit="step",
-               file=sys.stderr)
+               file=sys.stderr, disable=rank != 0)
     start = time.time()
     earlier_seconds = state.get("seconds", 0.0)  # training time of the runs this one resumes
 
     def checkpoint(at: dict[str, Any]) -> None:
-        _save_checkpoint(drafter, opt, {**at, "seconds": round(earlier_seconds + time.time() - start, 3)},
-                         ckpt)
+        if rank == 0:  # the processes hold the same weights: one writes them
+            _save_checkpoint(drafter, opt, {**at, "seconds": round(earlier_seconds + time.time() - start, 3)},
+                             ckpt)
 
     drafter.train()
     seen_positions = 0
@@ -200,7 +229,8 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
                     break
                 for group in opt.param_groups:
                     group["lr"] = lr_at(state["step"])
-                loss, stats = _step_loss(drafter, head, freq, shard, batch, embed, unroll, noise)
+                noise_gen = torch.Generator().manual_seed(seed * 1_000_003 + state["step"])
+                loss, stats = _step_loss(model, head, freq, shard, batch, embed, noise, noise_gen, rank, world)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -233,5 +263,7 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
                      "train_seconds": round(earlier_seconds + time.time() - start, 1),
                      "positions_seen_this_run": seen_positions},
     }
-    drafter.save(out)
+    if rank == 0:
+        drafter.save(out)
+    distributed.barrier(world)
     return drafter

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from dynaspec.runtime.drafter import Drafter
 from dynaspec.shortlisters.router import Router, RouterConfig, cluster_digest, core_digest
+from dynaspec.training import distributed
 
 
 @torch.no_grad()
@@ -110,27 +111,31 @@ def train_router(shards: list[Path], embed, assignment: torch.Tensor, clusters: 
     e = torch.cat([d[0] for d in train_parts]).to(torch.bfloat16)
     h = torch.cat([d[1] for d in train_parts]).to(torch.bfloat16)
     y = torch.cat([d[2] for d in train_parts])
+    rank, world = distributed.join()
     router = Router(RouterConfig(hidden_size=hidden_size, width=width, clusters=clusters,
                                  core_class=core_index is not None))
+    model = distributed.wrap(router, world)  # several processes: each takes rows rank::world of a batch
     opt = torch.optim.AdamW(router.parameters(), lr=lr, weight_decay=0.01)
     steps = epochs * max(1, len(y) // batch)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
     rng = random.Random(seed)
-    bar = tqdm(total=steps, desc="router", unit="step", file=sys.stderr)
+    bar = tqdm(total=steps, desc="router", unit="step", file=sys.stderr, disable=rank != 0)
     for _ in range(epochs):
         order = list(range(len(y)))
         rng.shuffle(order)
         idx_all = torch.tensor(order)
         for s in range(0, len(y) - batch + 1, batch):
             idx = idx_all[s:s + batch]
-            logits = router(e[idx].float(), h[idx].float())
-            loss = F.cross_entropy(logits, y[idx])
+            mine = idx[rank::world]
+            logits = model(e[mine].float(), h[mine].float())
+            # this process's share of the batch mean, times world: DDP averages the gradients
+            loss = F.cross_entropy(logits, y[mine], reduction="sum") / len(idx) * world
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             sched.step()
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+            bar.set_postfix(loss=f"{float(loss.detach()) / world:.3f}")
     bar.close()
     router.eval()
     with torch.no_grad():
@@ -145,7 +150,9 @@ def train_router(shards: list[Path], embed, assignment: torch.Tensor, clusters: 
             "training": {**(provenance or {}), "examples": int(len(y)), "epochs": epochs, "lr": lr,
                          "width": width, "held_out_examples": int(len(hy)),
                          "held_out_recall": {str(k): round(v, 4) for k, v in recall.items()}}}
-    router.save(out, meta)
+    if rank == 0:
+        router.save(out, meta)
+    distributed.barrier(world)
     return meta["training"]
 
 
@@ -170,7 +177,7 @@ def train_shards(folders: list[str], max_shards: int | None) -> list[Path]:
 def build_router(target_ref, work: list[str], clusters_ref: str, out: Path, *,
                  drafter_ref: str | None = None, width: int = 1024, epochs: int = 3, lr: float = 2e-3,
                  max_shards: int | None = None, core: int | None = None, frequency_ref: str | None = None,
-                 command: str = "") -> dict[str, Any]:
+                 batch: int = 1024, command: str = "") -> dict[str, Any]:
     """``dynaspec train-router``: load the target, its clusters (and drafter, and the hybrid's
     frequency core), train the router on the shards of ``work`` and write it to ``out``."""
     from dynaspec.errors import ConfigError
@@ -194,7 +201,7 @@ def build_router(target_ref, work: list[str], clusters_ref: str, out: Path, *,
         core_ids = load_frequency(resolve_artifact(frequency_ref), fingerprint)[0][:core]
     return train_router(shards, target.embed, clusters["assignment"].long(), clusters["centroids"].shape[0],
                         target.hidden_size, drafter=drafter, out=out, fingerprint=fingerprint,
-                        width=width, epochs=epochs, lr=lr, core_ids=core_ids,
+                        width=width, epochs=epochs, lr=lr, batch=batch, core_ids=core_ids,
                         special_ids=target.special_token_ids,
                         provenance={"command": command, "work": work, "clusters": clusters_ref,
                                     "drafter": drafter_ref, "frequency": frequency_ref, "core": core})
