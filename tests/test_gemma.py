@@ -110,7 +110,7 @@ def test_damaged_cache_is_rebuilt(fake, capsys, damage):
     capsys.readouterr()
     gemma.load_gemma_target()
     err = capsys.readouterr().err
-    assert "cached Gemma copy at" in err and "unusable" in err  # the cache is named as the cause
+    assert "cached Gemma 3 270M copy at" in err and "unusable" in err  # the cache is named as the cause
     assert fake.built == 2
     assert gemma._problem(final) is None
     assert sorted(p.name for p in final.parent.iterdir()) == [final.name]
@@ -122,7 +122,7 @@ def test_uncreatable_cache_folder_is_one_line_error(monkeypatch, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("DYNASPEC_CACHE_DIR", str(blocker / "cache"))
-    with pytest.raises(ConfigError, match="cannot write the Gemma cache under .*DYNASPEC_CACHE_DIR"):
+    with pytest.raises(ConfigError, match="cannot write the Gemma 3 270M cache under .*DYNASPEC_CACHE_DIR"):
         gemma.load_gemma_target()
 
 

@@ -12,7 +12,9 @@ import shutil
 import time
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 MANIFEST = "manifest.json"
 FULL_HASH_MAX = 64 << 20  # files up to this size get a sha256, larger ones a CRC-32
@@ -136,3 +138,49 @@ def sweep(parent: Path, name: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
         except OSError:
             pass
+
+
+def load_cached(final: Path, *, build: Callable[[Path], None], load: Callable[[Path], T],
+                problem: Callable[[Path], str | None], label: str, duration: str) -> T:
+    """``load(final)`` of a verified cache folder, building it first when it is missing or fails its
+    checks (``problem``): ``build(tmp)`` fills a temporary folder beside ``final`` (its last step
+    writes the manifest), which is then renamed into place, so a crash never leaves a half-built
+    copy behind. A copy that fails its checks or does not load is named, removed and rebuilt."""
+    import sys
+    import tempfile
+
+    from dynaspec.errors import ConfigError
+
+    def say(msg: str) -> None:
+        print(f"dynaspec: {msg}", file=sys.stderr, flush=True)
+
+    if final.exists():
+        why = problem(final)
+        if why is None:
+            try:
+                return load(final)
+            except Exception as exc:  # noqa: BLE001 - any failure means: rebuild
+                why = f"loading failed ({type(exc).__name__}: {exc})"
+        say(f"cached {label} copy at {final} is unusable: {why}; rebuilding")
+        remove_folder(final)
+    parent = final.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        sweep(parent, final.name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
+    except OSError as exc:
+        raise ConfigError(f"cannot write the {label} cache under {parent} ({exc.strerror or exc}); "
+                          "set DYNASPEC_CACHE_DIR to a writable folder") from None
+    say(f"converting {label} (one-time, {duration}; cached in {final})...")
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if problem(final) is not None:  # not a concurrent build that won the race
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return load(final)
