@@ -149,15 +149,14 @@ def draft_step_breakdown(stack_refs: Sequence[str], prompts: Sequence[str], *, m
 
 
 def format_breakdown(report: dict[str, Any]) -> str:
-    lines = ["| stack | draft steps | embed ms | draft core ms | router ms | head GEMM ms | total ms/step | "
-             "x first stack | mean shortlist | MAL |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, f in report.items():
-        ms = f["ms_per_step"]
-        lines.append(f"| {name} | {f['draft_steps']} | {ms['embed']:.2f} | {ms['draft_core']:.2f} | "
-                     f"{ms['router']:.2f} | {ms['head_gemm']:.2f} | {f['total_ms_per_step']:.2f} | "
-                     f"{f['ratio_to_first']:.3f} | {f['mean_shortlist_size']:,.0f} | "
-                     f"{f['mean_accepted_length']:.2f} |")
-    return "\n".join(lines)
+    from dynaspec.evaluation.plots import markdown_table
+
+    header = ["stack", "draft steps", "embed ms", "draft core ms", "router ms", "head GEMM ms", "total ms/step",
+              "x first stack", "mean shortlist", "MAL"]
+    return markdown_table(header, [
+        [name, f["draft_steps"], *(f"{f['ms_per_step'][k]:.2f}" for k in STEP_KEYS),
+         f"{f['total_ms_per_step']:.2f}", f"{f['ratio_to_first']:.3f}", f"{f['mean_shortlist_size']:,.0f}",
+         f"{f['mean_accepted_length']:.2f}"] for name, f in report.items()])
 
 
 def run(target_ref: str, out, *, backends: Sequence[str], sizes: Sequence[int], rows: Sequence[int],

@@ -77,15 +77,14 @@ def format_cost_table(figures: Mapping[str, Mapping[str, Any]], *, bandwidth: fl
     or per stack where stacks run the target in different dtypes)."""
     sizes = sorted(set(weights.values())) if isinstance(weights, Mapping) else [weights]
     reads = ", ".join(f"{w / 1e6:,.0f} MB (one full read {1e3 * w / bandwidth:.1f} ms)" for w in sizes)
-    lines = [f"Read bandwidth measured in this run: {bandwidth / 1e9:.1f} GB/s; target weights {reads}.", "",
-             "| stack | tokens/cycle | ms per cycle: draft / target body / verification head / "
-             "bookkeeping / other | verification in plain steps (median) | tokens/s | bandwidth "
-             "bound tokens/s | fraction of bound |",
-             "|---|---|---|---|---|---|---|"]
-    for name, f in figures.items():
-        ms = f["ms_per_cycle"]
-        lines.append(f"| {name} | {f['tokens_per_cycle']:.2f} | {ms['draft']:.1f} / {ms['target_body']:.1f} / "
-                     f"{ms['verify_head']:.1f} / {ms['bookkeeping']:.1f} / {ms['other']:.1f} | "
-                     f"{f['verify_in_plain_steps']:.2f} | {f['tokens_per_second']:.2f} | "
-                     f"{f['bound_tokens_per_second']:.2f} | {f['fraction_of_bound']:.0%} |")
-    return "\n".join(lines)
+    from dynaspec.evaluation.plots import markdown_table
+
+    header = ["stack", "tokens/cycle", "ms per cycle: draft / target body / verification head / bookkeeping / other",
+              "verification in plain steps (median)", "tokens/s", "bandwidth bound tokens/s", "fraction of bound"]
+    rows = [[name, f"{f['tokens_per_cycle']:.2f}",
+             " / ".join(f"{f['ms_per_cycle'][k]:.1f}" for k in ("draft", "target_body", "verify_head",
+                                                                 "bookkeeping", "other")),
+             f"{f['verify_in_plain_steps']:.2f}", f"{f['tokens_per_second']:.2f}",
+             f"{f['bound_tokens_per_second']:.2f}", f"{f['fraction_of_bound']:.0%}"] for name, f in figures.items()]
+    return f"Read bandwidth measured in this run: {bandwidth / 1e9:.1f} GB/s; target weights {reads}.\n\n" + \
+        markdown_table(header, rows)

@@ -40,3 +40,10 @@ def figure(path: str | Path, *, xlabel: str, ylabel: str, size: tuple[float, flo
         atomic_write(Path(path), lambda p: fig.savefig(p, dpi=dpi, format="png"))
     finally:
         plt.close(fig)
+
+
+def markdown_table(header: list[str], rows: list[list[object]]) -> str:
+    """A markdown table: the header row, the rule, then one line per row (cells already formatted)."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -126,9 +126,8 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         budget = attrs.evolve(budget, clusters=min(1024, max(2, target.vocab_size // 16)))
     if budget.clusters > target.vocab_size:
         raise ConfigError(f"--clusters {budget.clusters} exceeds the target's vocabulary ({target.vocab_size})")
-    manifest = {"format": FORMAT, "target": target_ref, "fingerprint": fingerprint,
-                "budget": attrs.asdict(budget), "stages": {}, **manifest}
-    manifest["budget"] = attrs.asdict(budget)
+    manifest = manifest or {"format": FORMAT, "target": target_ref, "fingerprint": fingerprint, "stages": {}}
+    manifest["budget"] = attrs.asdict(budget)  # the budget of the latest run
     work = out / "work"
     drafter_dir = Path(resolve_artifact(drafter)) if drafter else out / "drafter"
 
