@@ -119,6 +119,6 @@ def test_bad_eagle_checkpoints_are_refused(tmp_path):
         def __reduce__(self):
             return (print, ("this must never run",))
 
-    (folder / "pytorch_model.bin").write_bytes(pickle.dumps({"fc.weight": Boom()}))
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps({"fc.weight": Boom()}, protocol=2))
     with pytest.raises(ConfigError, match="weights_only=True"):
         load_eagle(folder, tgt.fingerprint())
