@@ -87,6 +87,7 @@ def test_refuses_another_target_and_bad_budgets(prepared, tmp_path):
         prepare("tiny-gemma3", out, budget=BUDGET)
     with pytest.raises(ConfigError, match="exceeds the target's vocabulary"):
         prepare("tiny-llama", tmp_path / "x", budget=PrepareBudget(clusters=4096))
+    assert not (tmp_path / "x").exists()  # a refused run leaves nothing behind
     with pytest.raises(ConfigError, match="unknown stage 'train'"):
         prepare("tiny-llama", tmp_path / "y", only=("train",))
 

@@ -115,7 +115,6 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
             raise ConfigError(f"unknown stage {name!r}: one of {', '.join(STAGES)}")
     if Path(target_ref).is_dir():
         target_ref = str(Path(target_ref).resolve())
-    out.mkdir(parents=True, exist_ok=True)
     manifest = _read_manifest(out)
     target = load_target(target_ref)
     fingerprint = target.fingerprint()
@@ -126,6 +125,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         budget = attrs.evolve(budget, clusters=min(1024, max(2, target.vocab_size // 16)))
     if budget.clusters > target.vocab_size:
         raise ConfigError(f"--clusters {budget.clusters} exceeds the target's vocabulary ({target.vocab_size})")
+    out.mkdir(parents=True, exist_ok=True)  # only once every check has passed
     manifest = manifest or {"format": FORMAT, "target": target_ref, "fingerprint": fingerprint, "stages": {}}
     manifest["budget"] = attrs.asdict(budget)  # the budget of the latest run
     work = out / "work"
