@@ -82,3 +82,32 @@ def test_two_processes_train_the_router_of_one(shards):
     _run([*[a if a != "4" else "1" for a in common], "--out", "router-short"], 1, shards)
     short, _ = Router.load(shards / "router-short", None)
     assert any((a - b).abs().max() > 1e-2 for a, b in zip(one.state_dict().values(), short.state_dict().values()))
+
+
+def test_prepare_under_torchrun_builds_what_one_process_builds(tmp_path):
+    """`dynaspec prepare` on two processes: the collection is shared shard by shard (the same
+    shards, bit for bit), the drafter and router are trained together, the single-process stages
+    and the manifest are rank 0's; the result is a working stack."""
+    import json
+
+    from dynaspec.training.shards import load_shard, shard_paths
+
+    common = ["prepare", "--target", "tiny-llama", "--prompts", "8", "--shard-size", "2", "--source", "generated",
+              "--new-tokens", "16", "--steps", "12", "--batch-positions", "128", "--router-width", "16",
+              "--threads", "1"]
+    _run([*common, "--out", "one"], 1, tmp_path)
+    _run([*common, "--out", "two"], 2, tmp_path)
+    one, two = shard_paths(tmp_path / "one" / "work"), shard_paths(tmp_path / "two" / "work")
+    assert [p.name for p in one] == [p.name for p in two] and len(one) == 4
+    for a, b in zip(one, two):
+        sa, sb = load_shard(a), load_shard(b)
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    manifest = json.loads((tmp_path / "two" / "prepare.json").read_text())
+    assert sorted(manifest["stages"]) == sorted(["collect", "drafter", "frequency", "clusters", "router", "stack"])
+    w1 = _weights(tmp_path / "one" / "work" / "ckpt-drafter", "checkpoint.safetensors")
+    w2 = _weights(tmp_path / "two" / "work" / "ckpt-drafter", "checkpoint.safetensors")
+    assert all(torch.allclose(w1[k], w2[k], atol=1e-5, rtol=1e-4) for k in w1)
+    out = subprocess.run([sys.executable, "-m", "dynaspec", "generate", "Hello", "--stack",
+                          str(tmp_path / "two" / "stack.toml"), "--max-new-tokens", "8", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]

@@ -163,7 +163,7 @@ class DecoderLayer(nn.Module):
                 s = k.shape[-2]
                 mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(s - t)
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, cfg.num_heads * cfg.head_dim))
         hx = self.post_norm(x)
         return x + self.down_proj(self.act(self.gate_proj(hx)) * self.up_proj(hx))
 

@@ -21,6 +21,7 @@ import torch
 from dynaspec.runtime.files import atomic_write
 from dynaspec.runtime.prompt import format_prompt
 from dynaspec.runtime.target import TargetModel
+from dynaspec.training import distributed
 from dynaspec.training.shards import shard_path
 
 
@@ -105,19 +106,23 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
 
     ``source="generated"``: prompt + the target's own greedy continuation (``new_tokens``; costs a
     target step per token). ``source="raw"``: prompt + the conversation's own first answer, up to
-    ``max_prompt_tokens + new_tokens`` tokens, in one prefill pass (no generation: here about 25 ms per
-    position, against about 68 ms per continuation token generated); such shards also store ``teacher``, the target's greedy next token at every position,
-    since the text's next token is not the target's choice.
+    ``max_prompt_tokens + new_tokens`` tokens, in one prefill pass (no generation); such shards also
+    store ``teacher``, the target's greedy next token at every position, since the text's next token
+    is not the target's choice.
 
     ``workers`` processes can share the work: worker ``w`` makes the shards ``i`` with
-    ``i % workers == w``."""
+    ``i % workers == w``. Under ``torchrun`` each process is one such worker, and all of them
+    return once every shard is written."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
+    rank, world = distributed.join()
+    if world > 1 and workers == 1:
+        worker, workers = rank, world
     work.mkdir(parents=True, exist_ok=True)
     n_shards = math.ceil(prompts / shard_size)
     paths = []
-    bar = tqdm(total=n_shards, desc="collect", unit="shard", file=sys.stderr)
+    bar = tqdm(total=n_shards, desc="collect", unit="shard", file=sys.stderr, disable=rank != 0)
     for index in range(n_shards):
         path = shard_path(work, index)
         paths.append(path)
@@ -158,4 +163,5 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
         bar.update(1)
         bar.set_postfix(positions=int(offsets[-1]))
     bar.close()
-    return paths
+    distributed.barrier(world)
+    return [p for p in paths if p.exists()]  # another worker may have found the end of the split

@@ -105,6 +105,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
     """Run the stages of ``dynaspec prepare`` for ``target_ref`` into ``out``; returns the manifest."""
     from dynaspec.runtime.targets import load_target, resolve_artifact
     from dynaspec.training import collect as collect_mod
+    from dynaspec.training import distributed
     from dynaspec.training import drafter as drafter_training
     from dynaspec.training.router import build_router
     from dynaspec.training.shards import describe_shards, shard_paths
@@ -169,6 +170,10 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         atomic_write(out / "stack.toml", lambda p: Path(p).write_text(text))
         return {"outputs": ["stack.toml"]}
 
+    rank, world = distributed.join()
+    # under torchrun the collection, the drafter and the router are shared by the processes; the
+    # cheap single-process stages and the manifest are rank 0's, the others wait for them
+    shared = {"collect", "drafter", "router"}
     runs: dict[str, Callable[[], dict[str, Any]]] = {
         "collect": collect, "drafter": train_drafter, "frequency": frequency, "clusters": clusters,
         "router": router, "stack": stack}
@@ -177,18 +182,24 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
             continue
         done = manifest["stages"].get(name, {}).get("finished")
         if done and name not in redo:
-            print(f"dynaspec prepare: {name}: done earlier ({done}), skipped", file=sys.stderr)
+            if rank == 0:
+                print(f"dynaspec prepare: {name}: done earlier ({done}), skipped", file=sys.stderr)
             continue
-        if name in redo and name in ("frequency", "clusters", "router"):
+        if rank == 0 and name in redo and name in ("frequency", "clusters", "router"):
             shutil.rmtree(out / name, ignore_errors=True)
-        if name in redo and name == "drafter" and not drafter:  # train afresh, not from the checkpoint
+        if rank == 0 and name in redo and name == "drafter" and not drafter:  # afresh, not from the checkpoint
             shutil.rmtree(work / f"ckpt-{drafter_dir.name}", ignore_errors=True)
             shutil.rmtree(drafter_dir, ignore_errors=True)
-        print(f"dynaspec prepare: {name} ...", file=sys.stderr, flush=True)
+        distributed.barrier(world)
+        if rank == 0:
+            print(f"dynaspec prepare: {name} ...", file=sys.stderr, flush=True)
         started = time.time()
-        record = runs[name]()
-        digests = {o: _digest(out / o) for o in record["outputs"] if o != "work" and (out / o).exists()}
-        manifest["stages"][name] = {**record, "sha256": digests, "command": command, "seconds": round(time.time() - started, 1),
-                                    "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        _write_manifest(out, manifest)
+        record = runs[name]() if rank == 0 or name in shared else None
+        distributed.barrier(world)
+        if rank == 0:
+            digests = {o: _digest(out / o) for o in record["outputs"] if o != "work" and (out / o).exists()}
+            manifest["stages"][name] = {**record, "sha256": digests, "command": command,
+                                        "seconds": round(time.time() - started, 1),
+                                        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            _write_manifest(out, manifest)
     return manifest
