@@ -1,4 +1,4 @@
-"""Published EAGLE-1/2 drafters: synthetic checkpoints in exactly the published layout load, compute
+"""Published EAGLE-1/2 drafters (EAGLE-3: tests/test_eagle3.py): synthetic checkpoints in exactly the published layout load, compute
 what the reference Llama decoder layer computes, and keep greedy decoding exact."""
 
 from __future__ import annotations
@@ -104,8 +104,9 @@ def test_bad_eagle_checkpoints_are_refused(tmp_path):
     weights = _eagle_weights(tgt)
     with pytest.raises(ArtifactMismatchError, match="its hidden_size is 64, the target's is 32"):
         load_eagle(_write(tmp_path / "wide", _eagle_config(tgt, hidden_size=64), weights), tgt.fingerprint())
+    # midlayer.* makes it an EAGLE-3 checkpoint, read as one (tests/test_eagle3.py): this one has no head
     eagle3 = {**weights, "midlayer.self_attn.q_proj.weight": torch.zeros(2, 2)}
-    with pytest.raises(ConfigError, match="EAGLE-3 checkpoint"):
+    with pytest.raises(ConfigError, match="EAGLE-3 checkpoint without its lm_head"):
         load_eagle(_write(tmp_path / "e3", _eagle_config(tgt), eagle3), tgt.fingerprint())
     partial = {k: v for k, v in weights.items() if "down_proj" not in k}
     with pytest.raises(ConfigError, match="lacks"):

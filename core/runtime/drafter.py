@@ -119,14 +119,15 @@ class DraftCache(KVBuffer):
 class DecoderLayer(nn.Module):
     """Pre-norm attention + gated MLP (Llama / Gemma shaped, with optional q/k norms)."""
 
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, *, attention_input_size: int | None = None) -> None:
         super().__init__()
         d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        a = attention_input_size or d  # EAGLE-3 attends over [E(x), h] (2d wide)
         self.cfg = cfg
         self.input_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.input_norm else nn.Identity()
-        self.q_proj = nn.Linear(d, h * hd, bias=False)
-        self.k_proj = nn.Linear(d, kv * hd, bias=False)
-        self.v_proj = nn.Linear(d, kv * hd, bias=False)
+        self.q_proj = nn.Linear(a, h * hd, bias=False)
+        self.k_proj = nn.Linear(a, kv * hd, bias=False)
+        self.v_proj = nn.Linear(a, kv * hd, bias=False)
         self.o_proj = nn.Linear(h * hd, d, bias=False)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -139,9 +140,20 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: DraftCache | None,
                 mask: torch.Tensor | None) -> torch.Tensor:
         """x [B, T, d], positions [B, T], mask bool [T, S] over (cached + new) keys or None=causal."""
+        x = x + self.attend(self.input_norm(x), positions, cache, mask)
+        return x + self.mlp(x)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP of the post-attention norm of ``x`` (without the residual)."""
+        hx = self.post_norm(x)
+        return self.down_proj(self.act(self.gate_proj(hx)) * self.up_proj(hx))
+
+    def attend(self, hx: torch.Tensor, positions: torch.Tensor, cache: DraftCache | None,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """Self-attention of the normed input ``hx`` [B, T, a], projected back to [B, T, d]
+        (without the residual); the new keys and values are appended to ``cache``."""
         cfg = self.cfg
-        b, t, _ = x.shape
-        hx = self.input_norm(x)
+        b, t, _ = hx.shape
         q = self.q_proj(hx).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         k = self.k_proj(hx).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         v = self.v_proj(hx).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
@@ -161,15 +173,28 @@ class DecoderLayer(nn.Module):
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             if mask is None:
                 s = k.shape[-2]
-                mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(s - t)
+                mask = torch.ones(t, s, dtype=torch.bool, device=hx.device).tril(s - t)
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, cfg.num_heads * cfg.head_dim))
-        hx = self.post_norm(x)
-        return x + self.down_proj(self.act(self.gate_proj(hx)) * self.up_proj(hx))
+        return self.o_proj(attn.transpose(1, 2).reshape(b, t, cfg.num_heads * cfg.head_dim))
 
 
 class Drafter(nn.Module):
-    """EAGLE-style drafter: predicts the target's next normed hidden state."""
+    """EAGLE-style drafter: predicts the target's next normed hidden state.
+
+    What the engine asks of any drafter (an EAGLE-3 one answers differently, see
+    :mod:`dynaspec.runtime.eagle`): the target layers whose inputs it reads as features
+    (``feature_layers``; None: the target's final normed hidden state), the rows its draft head
+    scores (``vocabulary``; None: the target's whole vocabulary through the target's LM head), its
+    own head (``head_weight``; None: the target's) and the head's input (``head_input``).
+    """
+
+    feature_layers: tuple[int, ...] | None = None
+    vocabulary: torch.Tensor | None = None
+    head_weight: torch.Tensor | None = None
+
+    def head_input(self, out: torch.Tensor) -> torch.Tensor:
+        """What the draft head multiplies: the drafter's output itself."""
+        return out
 
     def __init__(self, cfg: DrafterConfig, meta: Mapping[str, Any] | None = None) -> None:
         super().__init__()

@@ -31,6 +31,27 @@ class Drafting:
         self.cfg, self.target, self.drafter = cfg, target, drafter
         self.shortlister, self.scheduler, self.backend = shortlister, scheduler, backend
         self._router_pool: ThreadPoolExecutor | None = None  # made on first use (router_overlap)
+        #: a drafter with a vocabulary of its own (EAGLE-3): the head row of each target id, or -1
+        self._row_of: torch.Tensor | None = None
+        if drafter.vocabulary is not None:
+            vocab = drafter.vocabulary
+            self._row_of = torch.full((target.vocab_size,), -1, dtype=torch.long, device=vocab.device)
+            self._row_of[vocab] = torch.arange(vocab.numel(), device=vocab.device)
+
+    def _head_rows(self, shortlist: Shortlist) -> tuple[Shortlist, torch.Tensor | None]:
+        """The shortlist as rows of the draft head, and the target id of each row (None: the
+        target's whole vocabulary). With a drafter vocabulary of its own, the full shortlist is all
+        of it and any other is kept where it falls inside it (all of it, if nothing does)."""
+        if self._row_of is None:
+            return shortlist, shortlist.token_ids
+        vocab = self.drafter.vocabulary
+        if shortlist.is_full:
+            return Shortlist.full(), vocab
+        rows = self._row_of[shortlist.token_ids.to(self._row_of.device)]
+        rows = rows[rows >= 0]
+        if rows.numel() == 0:
+            return Shortlist.full(), vocab
+        return Shortlist(rows), vocab[rows]
 
     def grow(self, fresh_tokens, fresh_features, root_pos, dcache, params, verifier, generator,
              stats, context) -> DraftTree:
@@ -62,16 +83,18 @@ class Drafting:
                       else [(sl, [row]) for row, sl in enumerate(shortlists)])
             new_nodes, parent_row = [], {}
             for shortlist, rows in groups:
-                stats.shortlist_sizes[depth].extend([shortlist.size(target.vocab_size)] * len(rows))
+                head_rows, token_ids = self._head_rows(shortlist)
+                size = target.vocab_size if token_ids is None else int(token_ids.numel())
+                stats.shortlist_sizes[depth].extend([size] * len(rows))
                 with stats.timed("head_gemm"):
-                    logits = self.backend.logits(out[rows], shortlist)
+                    logits = self.backend.logits(drafter.head_input(out[rows]), head_rows)
                 idx, logq, probs = verifier.propose(logits, max(counts[r] for r in rows), params,
                                                     generator)
-                ids = idx if shortlist.token_ids is None else shortlist.token_ids[idx]
+                ids = idx if token_ids is None else token_ids[idx]
                 for i, row in enumerate(rows):
                     node = frontier[row]
                     if probs is not None:
-                        tree.draft_probs[node] = (shortlist.token_ids, probs[i])
+                        tree.draft_probs[node] = (token_ids, probs[i])
                     for tok, lq in zip(ids[i, : counts[row]].tolist(), logq[i, : counts[row]].tolist()):
                         child = tree.add(node, tok, lq)
                         new_nodes.append(child)

@@ -94,8 +94,13 @@ class Engine:
         self.scheduler = build("scheduler", stack.scheduler.name, stack.scheduler.kwargs, self.ctx)
         declared = capabilities(self.shortlister)
         self._check_budget_units(declared)
-        # the backend reads the shortlister's declared head layout, handed over in its own context
-        backend_ctx = attrs.evolve(self.ctx, head_layout=declared.head_layout)
+        # the backend reads the shortlister's declared head layout, handed over in its own context;
+        # a drafter with a head of its own (EAGLE-3) has the backend multiply that head instead
+        if drafter is not None and drafter.head_weight is not None:
+            backend_ctx = attrs.evolve(self.ctx, lm_head_weight=drafter.head_weight,
+                                       vocab_size=int(drafter.head_weight.shape[0]), head_layout=None)
+        else:
+            backend_ctx = attrs.evolve(self.ctx, head_layout=declared.head_layout)
         self.backend = build("backend", stack.backend.name, stack.backend.kwargs, backend_ctx)
         self._verifiers: dict[str, Any] = {}
         self.drafting = (Drafting(stack.draft, target, drafter, self.shortlister, self.scheduler, self.backend)
@@ -292,21 +297,25 @@ class Engine:
         done = produced + len(chunk) >= max_new or (bool(chunk) and chunk[-1] in eos)
         return chunk, done
 
-    def _prefill(self, ids: torch.Tensor, cache) -> torch.Tensor:
+    def _prefill(self, ids: torch.Tensor, cache, layers=None):
         """The target over the prompt: one pass, or for a long prompt passes of ``PREFILL_CHUNK``
-        tokens with a progress bar on stderr (plain and speculative decoding prefill alike)."""
+        tokens with a progress bar on stderr (plain and speculative decoding prefill alike).
+        With ``layers``, also the fused inputs of those layers (see ``TargetModel.forward``)."""
         n, device = ids.numel(), ids.device
         if n <= LONG_PROMPT:
-            return self.target.forward(ids, torch.arange(n, device=device), cache)
+            return self.target.forward(ids, torch.arange(n, device=device), cache, layers=layers)
         from tqdm import tqdm
 
         parts = []
         with tqdm(total=n, desc="prefill", unit="token", file=sys.stderr, leave=False) as bar:
             for start in range(0, n, PREFILL_CHUNK):
                 end = min(start + PREFILL_CHUNK, n)
-                parts.append(self.target.forward(ids[start:end], torch.arange(start, end, device=device), cache))
+                parts.append(self.target.forward(ids[start:end], torch.arange(start, end, device=device), cache,
+                                                 layers=layers))
                 bar.update(end - start)
-        return torch.cat(parts)
+        if layers is None:
+            return torch.cat(parts)
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     @torch.inference_mode()
     def _plain(self, ids, max_new, params, verifier, generator, stats) -> Iterator[list[int]]:
@@ -343,12 +352,19 @@ class Engine:
         cache = target.new_cache(capacity)
         dcache = DraftCache(capacity)
         tokens = torch.empty(capacity, dtype=torch.long, device=device)
-        features = torch.empty(capacity, target.hidden_size, dtype=target.dtype, device=device)
+        # the drafter's features: the target's last hidden states, or for a drafter that fuses
+        # several target layers (EAGLE-3) the inputs of those layers side by side
+        layers = self.drafter.feature_layers
+        width = target.hidden_size * (len(layers) if layers else 1)
+        features = torch.empty(capacity, width, dtype=target.dtype, device=device)
         with stats.timed("prefill"):
             tokens[:len(ids)] = torch.tensor(ids, device=device)
-            features[:len(ids)] = self._prefill(tokens[:len(ids)], cache)
-            first = verifier.first_token(target.logits(features[len(ids) - 1:len(ids)])[0], params,
-                                         generator)
+            hidden = self._prefill(tokens[:len(ids)], cache, layers)
+            if layers:
+                hidden, features[:len(ids)] = hidden
+            else:
+                features[:len(ids)] = hidden
+            first = verifier.first_token(target.logits(hidden[len(ids) - 1:len(ids)])[0], params, generator)
         tokens[len(ids)] = first
         n = len(ids) + 1
         chunk, done = self._finish([first], 0, max_new)
@@ -365,7 +381,8 @@ class Engine:
                     hidden = target.forward(torch.tensor(tree.tokens, device=device),
                                             root_pos + 1 + torch.tensor(tree.depths, device=device), cache,
                                             tree_mask=None if chain else tree.attention_mask(device),
-                                            chain=chain)
+                                            chain=chain, layers=layers)
+                    hidden, fed = hidden if layers else (hidden, hidden)
                 with stats.timed("verify_head"):
                     logits = PathLogits(target, hidden, tree)
                     path, bonus = verifier.verify(tree, logits, params, generator)
@@ -373,7 +390,7 @@ class Engine:
             with stats.timed("bookkeeping"):
                 keep = [0, *path]
                 target.keep(cache, root_pos, keep)
-                features[root_pos:root_pos + len(keep)] = hidden[keep]
+                features[root_pos:root_pos + len(keep)] = fed[keep]
                 committed = [tree.tokens[node] for node in path] + [bonus]
                 tokens[n:n + len(committed)] = torch.tensor(committed, device=device)
                 n += len(committed)

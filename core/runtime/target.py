@@ -239,7 +239,8 @@ class TargetModel:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: Any,
-                tree_mask: torch.Tensor | None = None, *, chain: bool = False) -> torch.Tensor:
+                tree_mask: torch.Tensor | None = None, *, chain: bool = False,
+                layers: Sequence[int] | None = None) -> Any:
         """Run ``ids`` ([T]) at ``positions`` ([T]) after everything in ``cache``.
 
         ``tree_mask[i, j]`` (bool, [T, T]) says new token ``i`` may attend to new token ``j``; the
@@ -247,16 +248,29 @@ class TargetModel:
         ``chain=True`` says the tokens follow one another (a draft chain after the cache): after
         :meth:`make_batch_invariant`, each row's attention is then computed exactly as a one-token
         step would compute it.
-        Returns the normed final hidden states, [T, d].
+        Returns the normed final hidden states, [T, d]; with ``layers``, also the inputs of those
+        decoder layers side by side, [T, len(layers) * d] (the fused features an EAGLE-3 drafter
+        reads), as a pair.
         """
         from dynaspec.runtime.batch_invariance import rowwise_chain
 
         past = cache.get_seq_length()
         mask = self._masks(past, positions, tree_mask)
-        with rowwise_chain(chain and self._rowwise):
-            out = self.decoder(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
-                               use_cache=True, **{self._cache_kwarg: cache})
-        return out.last_hidden_state[0]
+        captured: dict[int, torch.Tensor] = {}
+        hooks = [self.decoder.layers[i].register_forward_pre_hook(
+            lambda _m, args, kwargs, i=i: captured.__setitem__(i, args[0] if args else kwargs["hidden_states"]),
+            with_kwargs=True) for i in (layers or ())]
+        try:
+            with rowwise_chain(chain and self._rowwise):
+                out = self.decoder(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
+                                   use_cache=True, **{self._cache_kwarg: cache})
+        finally:
+            for hook in hooks:
+                hook.remove()
+        hidden = out.last_hidden_state[0]
+        if layers is None:
+            return hidden
+        return hidden, torch.cat([captured[i][0] for i in layers], dim=-1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits (float32) for hidden states [R, d]."""

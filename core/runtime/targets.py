@@ -55,13 +55,14 @@ def resolve_artifact(ref: str) -> Path:
 
 def load_drafter(ref: str, target: TargetModel) -> Drafter:
     """Load a drafter for ``target``: a dynaspec drafter (refused if trained for another target), or
-    a published EAGLE-1/2 checkpoint folder (refused if its sizes do not fit the target)."""
+    a published EAGLE-1/2/3 checkpoint folder (refused if its sizes do not fit the target)."""
     from dynaspec.runtime.drafter import CONFIG_FILE
     from dynaspec.runtime.eagle import is_eagle_checkpoint, load_eagle
 
     path = resolve_artifact(ref)
     if not (path / CONFIG_FILE).exists() and is_eagle_checkpoint(path):
-        return load_eagle(path, target.fingerprint(), dtype=target.dtype).to(target.device)
+        return load_eagle(path, target.fingerprint(), dtype=target.dtype,
+                          target_layers=len(target.decoder.layers)).to(target.device)
     return Drafter.load(path, target_fingerprint=target.fingerprint(), dtype=target.dtype).to(target.device)
 
 

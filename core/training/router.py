@@ -191,8 +191,12 @@ def build_router(target_ref, work: list[str], clusters_ref: str, out: Path, *,
         raise ConfigError(f"--core {core} is invalid: must be at least 1")
     target = load_target(target_ref)
     fingerprint = target.fingerprint()
-    clusters = load_clusters(resolve_artifact(clusters_ref), fingerprint)
     drafter = load_drafter(drafter_ref, target).float() if drafter_ref else None
+    if drafter is not None and drafter.feature_layers is not None:
+        raise ConfigError(f"drafter {drafter_ref} reads fused target layers (EAGLE-3), which the collected "
+                          "shards do not hold: train the router without --drafter, or shortlist inside its "
+                          "draft vocabulary with the 'full' or 'frequency' shortlister")
+    clusters = load_clusters(resolve_artifact(clusters_ref), fingerprint)
     shards = train_shards(work, max_shards)
     core_ids = None
     if core is not None:
