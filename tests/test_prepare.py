@@ -20,7 +20,7 @@ from dynaspec.training.prepare import STAGES, PrepareBudget, prepare
 
 # generated continuations: the tiny target's own text, which a drafter learns in seconds
 BUDGET = PrepareBudget(prompts=16, source="generated", shard_size=4, new_tokens=32, steps=300,
-                       batch_positions=256, router_width=32)
+                       batch_positions=256, router_width=32, drafter_width=48)
 
 
 def _plain_and_spec(stack: Path, prompt: str = "Hello there") -> tuple:
@@ -50,6 +50,7 @@ def test_prepare_builds_every_stage_and_a_working_stack(prepared):
     assert spec.token_ids == plain.token_ids  # exact
     assert spec.stats.mean_accepted_length > 1.2  # and the drafter it trained drafts
     assert spec.stats.mean_shortlist_size <= 128
+    assert json.loads((out / "drafter" / "drafter.json").read_text())["architecture"]["intermediate_size"] == 48
 
 
 def test_rerun_skips_finished_stages_and_redo_runs_one(prepared, capsys):

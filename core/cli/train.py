@@ -36,6 +36,9 @@ def register(sub) -> None:
                     help="answer tokens kept (raw) or generated (generated) per prompt")
     pr.add_argument("--steps", type=positive_int, default=1000, help="drafter optimiser steps")
     pr.add_argument("--batch-positions", type=positive_int, default=2048)
+    pr.add_argument("--drafter-width", type=positive_int, default=None,
+                    help="width of the drafter's MLP (default: the target's intermediate size; narrower is "
+                    "a smaller artifact and a cheaper draft step)")
     pr.add_argument("--clusters", type=positive_int, default=None, metavar="M",
                     help="vocabulary clusters (default: the vocabulary / 16, at most 1024)")
     pr.add_argument("--router-epochs", type=positive_int, default=3, help="passes over the router's examples")
@@ -73,6 +76,8 @@ def register(sub) -> None:
     tr.add_argument("--batch-positions", type=int, default=2048)
     tr.add_argument("--unroll", type=int, default=2, help="draft steps trained per position")
     tr.add_argument("--max-shards", type=int, default=None, help="train on the first N shards only")
+    tr.add_argument("--drafter-width", type=positive_int, default=None,
+                    help="width of the drafter's MLP (default: the target's intermediate size)")
 
     bf = command(sub, cmd_build_frequency, "build-frequency", target=True,
         help="count token frequencies for the static `frequency` shortlister")
@@ -120,7 +125,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     budget = PrepareBudget(prompts=args.prompts, source=args.source, shard_size=args.shard_size,
                            new_tokens=args.new_tokens, steps=args.steps, batch_positions=args.batch_positions,
-                           clusters=args.clusters, router_epochs=args.router_epochs,
+                           drafter_width=args.drafter_width, clusters=args.clusters,
+                           router_epochs=args.router_epochs,
                            router_width=args.router_width)
     manifest = prepare(args.target, Path(args.out), budget=budget, drafter=args.drafter, redo=tuple(args.redo),
                        only=tuple(args.stage), command=command_line())
@@ -154,7 +160,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         provenance = {"command": command_line(), "target": args.target, "work": [Path(w).name for w in args.work]}
         dt.train(target, [Path(w) for w in args.work], Path(args.out), epochs=args.epochs, steps=args.steps, lr=args.lr,
                  window=args.window, batch_positions=args.batch_positions, unroll=args.unroll,
-                 max_shards=args.max_shards, provenance=provenance)
+                 max_shards=args.max_shards, provenance=provenance, intermediate_size=args.drafter_width)
     print(f"done in {time.time() - started:.0f} s", file=sys.stderr)
     return 0
 

@@ -162,13 +162,15 @@ def _load_checkpoint(drafter: Drafter, opt: torch.optim.Optimizer, work: Path) -
 def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs: int = 2, steps: int | None = None,
           lr: float = 1e-3, window: int = 256, batch_positions: int = 2048, unroll: int = 2,
           frequent: int = 2048, noise: float = 0.1, max_shards: int | None = None, seed: int = 0,
-          checkpoint_every: int = 100, provenance: dict[str, Any] | None = None) -> Drafter:
+          checkpoint_every: int = 100, provenance: dict[str, Any] | None = None,
+          intermediate_size: int | None = None) -> Drafter:
     """Train a drafter on the collected shards of ``work`` (one folder, or several: say an English
     and code collection and a non-English one); write it to ``out``.
 
     With ``steps`` the run lasts that many optimiser steps and the shard list is read again at
     every epoch, so a collection still running beside the training feeds later epochs. Checkpoints
     live in ``<first work folder>/ckpt-<out name>``; a rerun with the same arguments resumes there.
+    ``intermediate_size`` sets the width of the drafter's MLP (default: the target's).
     """
     from tqdm import tqdm
 
@@ -186,7 +188,7 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
     ckpt.mkdir(parents=True, exist_ok=True)
     rank, world = distributed.join()
     torch.manual_seed(seed)
-    drafter = Drafter(DrafterConfig.like_target(target.model)).float()
+    drafter = Drafter(DrafterConfig.like_target(target.model, intermediate_size=intermediate_size)).float()
     head = target.lm_head_weight.detach()
     freq = _frequent_tokens(paths, frequent)
     total_steps = steps or epochs * max(1, positions(paths) // batch_positions)

@@ -46,6 +46,7 @@ class PrepareBudget:
     new_tokens: int = 256          # raw: answer tokens kept; generated: tokens generated
     steps: int = 1000              # drafter optimiser steps
     batch_positions: int = 2048
+    drafter_width: int | None = None  # the drafter's MLP width; None: the target's
     clusters: int | None = None    # None: min(1024, vocabulary / 16)
     kmeans_iterations: int = 25
     router_epochs: int = 3
@@ -153,6 +154,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
             return {"outputs": [str(drafter_dir)], "given": True}
         drafter_training.train(target, work, drafter_dir, steps=budget.steps,
                                batch_positions=budget.batch_positions, seed=seed,
+                               intermediate_size=budget.drafter_width,
                                provenance={"command": command, "target": target_ref, "work": "work"})
         return {"outputs": ["drafter"]}
 
