@@ -45,6 +45,8 @@ def test_prepare_builds_every_stage_and_a_working_stack(prepared):
     assert manifest["budget"]["clusters"] == 8  # vocabulary 128 / 16
     assert set(manifest["stages"]["router"]["sha256"]) == {"router"}
     assert "shards of first human turns" in manifest["stages"]["collect"]["data"]
+    collect = manifest["stages"]["collect"]  # each shard records its collection time
+    assert collect["timed_shards"] == collect["shards"] == 4 and 0 < collect["collect_seconds"] <= collect["seconds"]
     assert json.loads((out / prep.MANIFEST).read_text()) == manifest
     spec, plain = _plain_and_spec(out / "stack.toml")
     assert spec.token_ids == plain.token_ids  # exact

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -130,6 +131,7 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
             bar.update(1)
             continue
         count = min(shard_size, prompts - index * shard_size)
+        started = time.time()
         if source == "raw":
             raw = _raw_batches(target.tokenizer, index * shard_size, count, max_prompt_tokens + new_tokens,
                                split, slice_name, fmt=target.format_prompt)
@@ -158,7 +160,7 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
                    "features": torch.cat(feats).contiguous(), **extra}
         meta = {"ids": json.dumps([i for i, _ in items]), "target": json.dumps(target.fingerprint()),
                 "split": split, "slice": slice_name or "all", "source": source,
-                "new_tokens": str(new_tokens)}
+                "new_tokens": str(new_tokens), "seconds": f"{time.time() - started:.1f}"}
         atomic_write(path, lambda p, t=tensors, m=meta: save_file(t, str(p), metadata=m))
         bar.update(1)
         bar.set_postfix(positions=int(offsets[-1]))

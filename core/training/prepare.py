@@ -144,7 +144,10 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         collect_mod.collect(target, work, prompts=budget.prompts, shard_size=budget.shard_size,
                             new_tokens=budget.new_tokens, source=budget.source)
         described = describe_shards(shard_paths(work))
-        return {"outputs": ["work"], "data": described["data"], "shards": described["shards"]}
+        # the stage's "seconds" are this run's; a collection resumed over several runs is timed by
+        # its shards ("collect_seconds" over "timed_shards" of them)
+        return {"outputs": ["work"], "data": described["data"], "shards": described["shards"],
+                "collect_seconds": described["collect_seconds"], "timed_shards": described["timed_shards"]}
 
     def train_drafter() -> dict[str, Any]:
         if drafter:  # a given drafter is checked against the target and used as it is

