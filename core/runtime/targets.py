@@ -1,14 +1,17 @@
 """Loading targets and drafters by name.
 
 Targets: any name a plugin registered through ``dynaspec_targets`` (the built-ins are in
-:mod:`dynaspec.plugins.targets`), or a local Hugging Face model directory.
+:mod:`dynaspec.plugins.targets`), a local Hugging Face model directory, or a Hub id (``owner/name``,
+downloaded where the network allows).
 
-Drafters: a built-in artifact name (a folder under ``dynaspec/artifacts``) or a directory.
+Drafters: a built-in artifact name (a folder under ``dynaspec/artifacts``), a directory, or the Hub id
+of a published EAGLE checkpoint.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -31,15 +34,39 @@ def load_target(ref: str | TargetModel, *, registry=None) -> TargetModel:
     if ref in registry.names("target"):
         return registry.build("target", ref, {}, None)
     path = Path(ref)
+    if not path.is_dir() and looks_like_hub_id(ref):
+        path = hub_download(ref, "target", registered=registry.names("target"))
     if path.is_dir():
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
         tokenizer = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").exists() else None
-        return TargetModel(model, tokenizer, name=str(path), prompt_format=chat_prompt_format(tokenizer))
+        return TargetModel(model, tokenizer, name=str(ref), prompt_format=chat_prompt_format(tokenizer))
     raise UnknownComponentError(
-        f"unknown target '{ref}': not a registered target ({', '.join(registry.names('target'))}) "
-        "nor a model directory")
+        f"unknown target '{ref}': not a registered target ({', '.join(registry.names('target'))}), "
+        "a model directory nor a Hugging Face Hub id (owner/name)")
+
+
+def looks_like_hub_id(ref: str) -> bool:
+    """``owner/name`` that is not a local path: a Hugging Face Hub repository id."""
+    return bool(_HUB_ID.fullmatch(ref)) and not Path(os.path.expanduser(ref)).exists()
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def hub_download(ref: str, what: str, *, registered=()) -> Path:
+    """A Hugging Face Hub repository's model files (config, weights, tokenizer), downloaded once
+    into the Hub's cache; a clear error where the network or the repository is not there."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(ref, allow_patterns=["*.json", "*.safetensors", "*.bin", "*.model",
+                                                           "*.txt", "*.tiktoken"]))
+    except Exception as exc:  # noqa: BLE001 - offline, unknown repository, gated model, ...
+        names = f" (registered: {', '.join(registered)})" if registered else ""
+        raise ConfigError(f"{what} '{ref}' is not here{names} and downloading it from the Hugging Face Hub "
+                          f"failed: {type(exc).__name__}: {exc}") from None
 
 
 def resolve_artifact(ref: str) -> Path:
@@ -55,11 +82,16 @@ def resolve_artifact(ref: str) -> Path:
 
 def load_drafter(ref: str, target: TargetModel) -> Drafter:
     """Load a drafter for ``target``: a dynaspec drafter (refused if trained for another target), or
-    a published EAGLE-1/2/3 checkpoint folder (refused if its sizes do not fit the target)."""
+    a published EAGLE-1/2/3 checkpoint folder or Hub id (refused if its sizes do not fit the target)."""
     from dynaspec.runtime.drafter import CONFIG_FILE
     from dynaspec.runtime.eagle import is_eagle_checkpoint, load_eagle
 
-    path = resolve_artifact(ref)
+    try:
+        path = resolve_artifact(ref)
+    except ConfigError:
+        if not looks_like_hub_id(ref):
+            raise
+        path = hub_download(ref, "drafter")  # a published EAGLE checkpoint on the Hub
     if not (path / CONFIG_FILE).exists() and is_eagle_checkpoint(path):
         return load_eagle(path, target.fingerprint(), dtype=target.dtype,
                           target_layers=len(target.decoder.layers)).to(target.device)
