@@ -23,14 +23,21 @@ def _eagle_config(tgt, **extra) -> dict:
             "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": cfg.vocab_size, "bias": True, **extra}
 
 
-def _eagle_weights(tgt, *, bias: bool = True, seed: int = 0) -> dict[str, torch.Tensor]:
+def _layer_sizes(tgt, seed: int):
+    """The tiny target's sizes (hidden, intermediate, heads, kv heads, head dim) and a seeded
+    random-weight maker, for synthetic checkpoints."""
     g = torch.Generator().manual_seed(seed)
     h, i = tgt.hidden_size, tgt.model.config.intermediate_size
     heads, kv = tgt.model.config.num_attention_heads, tgt.model.config.num_key_value_heads
-    hd = h // heads
 
     def w(*shape):
         return torch.randn(*shape, generator=g) * 0.2
+
+    return h, i, heads, kv, h // heads, w
+
+
+def _eagle_weights(tgt, *, bias: bool = True, seed: int = 0) -> dict[str, torch.Tensor]:
+    h, i, heads, kv, hd, w = _layer_sizes(tgt, seed)
 
     weights = {"fc.weight": w(h, 2 * h), "layers.0.self_attn.q_proj.weight": w(heads * hd, h),
                "layers.0.self_attn.k_proj.weight": w(kv * hd, h), "layers.0.self_attn.v_proj.weight": w(kv * hd, h),

@@ -5,11 +5,11 @@ and keep greedy decoding exact and sampling lossless."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
+from test_eagle import _layer_sizes, _write
+from test_sampling import chi2_pvalue, exact_marginals, sample_counts
 
 from conftest import builtin_registry, make_engine, reference_greedy, target
 from dynaspec.errors import ArtifactMismatchError, ConfigError
@@ -19,7 +19,6 @@ from dynaspec.runtime.engine import Engine
 from dynaspec.runtime.protocols import DecodeParams
 from dynaspec.runtime.targets import load_drafter
 from dynaspec.runtime.tree import DraftTree
-from test_sampling import chi2_pvalue, exact_marginals, sample_counts
 
 LAYERS = [0, 1, 1]  # the tiny targets have two layers: low, middle and high collapse onto them
 
@@ -35,13 +34,7 @@ def _config(tgt, draft_vocab: int, **extra) -> dict:
 
 
 def _weights(tgt, draft_ids: torch.Tensor, *, seed: int = 0, fused: int = 3) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    h, i = tgt.hidden_size, tgt.model.config.intermediate_size
-    heads, kv = tgt.model.config.num_attention_heads, tgt.model.config.num_key_value_heads
-    hd = h // heads
-
-    def w(*shape):
-        return torch.randn(*shape, generator=g) * 0.2
+    h, i, heads, kv, hd, w = _layer_sizes(tgt, seed)
 
     t2d = torch.zeros(tgt.vocab_size, dtype=torch.bool)
     t2d[draft_ids] = True
@@ -61,18 +54,6 @@ def _weights(tgt, draft_ids: torch.Tensor, *, seed: int = 0, fused: int = 3) -> 
 def _draft_ids(tgt, n: int, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randperm(tgt.vocab_size, generator=g)[:n].sort().values
-
-
-def _write(folder, config, weights, fmt="safetensors"):
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    if fmt == "safetensors":
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
-    else:
-        torch.save(weights, folder / "pytorch_model.bin")
-    return folder
 
 
 def _reference(weights, cfg, emb, hidden, positions):

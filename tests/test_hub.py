@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_eagle import _eagle_config, _eagle_weights, _write
 
 from conftest import target
 from dynaspec.errors import ConfigError, UnknownComponentError
 from dynaspec.runtime.targets import load_drafter, load_target, looks_like_hub_id
-from test_eagle import _eagle_config, _eagle_weights, _write
 
 
 def test_what_counts_as_a_hub_id(tmp_path):
