@@ -44,3 +44,26 @@ def test_artifacts_agree_with_the_drafters_target_and_each_other():
 def test_shipped_artifacts_refuse_another_target(load):
     with pytest.raises(ArtifactMismatchError):
         load(tiny_target("llama").fingerprint())
+
+
+def test_no_machine_paths_ship():
+    """Provenance names folders by their last component only (scripts/ship_artifacts.py): no
+    absolute path of the machine that trained an artifact is in the package."""
+    import re
+
+    from safetensors import safe_open
+
+    absolute = re.compile(r"(?<![\w.~-])/(?:[\w.+-]+/)+[\w.+-]+")
+    folders = [p for p in GEMMA.parent.iterdir() if p.is_dir()]
+    checked = 0
+    for path in (f for folder in folders for f in folder.iterdir()):
+        if path.suffix == ".json":
+            text = path.read_text()
+        elif path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as fh:
+                text = json.dumps(fh.metadata() or {})
+        else:
+            continue
+        checked += 1
+        assert not absolute.search(text), (path.name, absolute.search(text).group(0))
+    assert checked >= 5
