@@ -12,7 +12,6 @@ its last component, so that no machine's folders ship: ``--work /work/runs/gen-t
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shutil
 import sys
