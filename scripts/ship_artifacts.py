@@ -41,6 +41,7 @@ def clean(path: Path) -> None:
             metadata = {k: strip_paths(v) for k, v in (fh.metadata() or {}).items()}
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}
         save_file(tensors, str(tmp), metadata=metadata or None)
+    tmp.chmod(0o644)  # readable by everyone, as a package's data files are
     tmp.replace(path)
 
 

@@ -1,5 +1,6 @@
-"""The artifacts shipped for the embedded default: present, small, consistent with each other and
-with the shipped drafter's target, refused by another target (fast: Gemma itself is not loaded)."""
+"""The artifacts shipped for the embedded default (Gemma) and for Qwen: present, small, consistent
+with each other and with the shipped drafter's target, refused by another target (fast: the targets
+themselves are not loaded)."""
 
 from __future__ import annotations
 
@@ -15,23 +16,29 @@ from dynaspec.shortlisters.frequency import load_frequency
 from dynaspec.shortlisters.router import Router, cluster_digest
 
 GEMMA = resolve_artifact("gemma3-270m")
+SHIPPED = ["gemma3-270m", "qwen2.5-coder-0.5b"]
 
 
 def gemma_fingerprint() -> dict:
     return json.loads((GEMMA / "drafter.json").read_text())["target"]
 
 
-def test_shortlisting_artifacts_are_shipped_and_small():
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shortlisting_artifacts_are_shipped_and_small(name):
+    folder = resolve_artifact(name)
     names = ["clusters.safetensors", "router.safetensors", "frequency.safetensors"]
-    sizes = {n: (GEMMA / n).stat().st_size for n in names}
+    sizes = {n: (folder / n).stat().st_size for n in names}
     assert sum(sizes.values()) < 20 * 2**20, sizes
+    assert (folder / "drafter.safetensors").stat().st_size < 20 * 2**20  # bfloat16
 
 
-def test_artifacts_agree_with_the_drafters_target_and_each_other():
-    fingerprint = gemma_fingerprint()
-    clusters = load_clusters(GEMMA, fingerprint)
-    router, meta = Router.load(GEMMA, fingerprint)
-    ranked, _ = load_frequency(GEMMA, fingerprint)
+@pytest.mark.parametrize("name", SHIPPED)
+def test_artifacts_agree_with_the_drafters_target_and_each_other(name):
+    folder = resolve_artifact(name)
+    fingerprint = json.loads((folder / "drafter.json").read_text())["target"]
+    clusters = load_clusters(folder, fingerprint)
+    router, meta = Router.load(folder, fingerprint)
+    ranked, _ = load_frequency(folder, fingerprint)
     vocab = fingerprint["vocab_size"]
     assert clusters["assignment"].numel() == vocab == ranked.numel()
     assert sorted(ranked.tolist()[:1000]) != list(range(1000))  # a real ranking, not the identity
