@@ -46,7 +46,8 @@ def test_prepare_builds_every_stage_and_a_working_stack(prepared):
     assert set(manifest["stages"]["router"]["sha256"]) == {"router"}
     assert "shards of first human turns" in manifest["stages"]["collect"]["data"]
     collect = manifest["stages"]["collect"]  # each shard records its collection time
-    assert collect["timed_shards"] == collect["shards"] == 4 and 0 < collect["collect_seconds"] <= collect["seconds"]
+    assert collect["timed_shards"] == collect["shards"] == 4
+    assert 0 < collect["collect_seconds"] <= collect["seconds"] + 0.05  # both rounded to 0.1 s
     assert json.loads((out / prep.MANIFEST).read_text()) == manifest
     spec, plain = _plain_and_spec(out / "stack.toml")
     assert spec.token_ids == plain.token_ids  # exact

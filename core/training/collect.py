@@ -160,7 +160,7 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
                    "features": torch.cat(feats).contiguous(), **extra}
         meta = {"ids": json.dumps([i for i, _ in items]), "target": json.dumps(target.fingerprint()),
                 "split": split, "slice": slice_name or "all", "source": source,
-                "new_tokens": str(new_tokens), "seconds": f"{time.time() - started:.1f}"}
+                "new_tokens": str(new_tokens), "seconds": f"{time.time() - started:.3f}"}
         atomic_write(path, lambda p, t=tensors, m=meta: save_file(t, str(p), metadata=m))
         bar.update(1)
         bar.set_postfix(positions=int(offsets[-1]))
