@@ -206,16 +206,44 @@ def test_default_feature_layers_and_bad_eagle3_checkpoints(tmp_path):
             load_drafter(str(_write(tmp_path / name, _config(tgt, 32), weights)), tgt)
 
 
-def test_prepare_and_the_router_refuse_an_eagle3_drafter(tmp_path):
-    """Its router would need the fused features, which the collected shards do not hold: refused
-    before any stage runs, with the shortlisters that do work named."""
-    from dynaspec.training.prepare import prepare
-    from dynaspec.training.router import build_router
+def test_prepare_trains_a_router_for_an_eagle3_drafter(tmp_path, monkeypatch):
+    """DynaSpec shortlists inside the draft vocabulary: ``prepare --drafter EAGLE3`` trains the router
+    on the drafter's own features (fc of the fused target layers at depth 0, recomputed from the
+    shards' tokens; its outputs deeper), and the stack it writes is exact and drafts inside both the
+    routed clusters and the draft vocabulary."""
+    from dynaspec.runtime.engine import Engine
+    from dynaspec.training.prepare import PrepareBudget, prepare
+    from dynaspec.training.router import router_examples
+    from dynaspec.training.shards import load_shard, shard_paths
 
     tgt = target("llama")
-    folder = _write(tmp_path / "e3", _config(tgt, 32), _weights(tgt, _draft_ids(tgt, 32)))
-    with pytest.raises(ConfigError, match="EAGLE-3 drafter.*'full' shortlister"):
-        prepare("tiny-llama", tmp_path / "out", drafter=str(folder))
-    assert not (tmp_path / "out").exists()
-    with pytest.raises(ConfigError, match="fused target layers"):
-        build_router("tiny-llama", [str(tmp_path)], str(tmp_path), tmp_path / "router", drafter_ref=str(folder))
+    ids = _draft_ids(tgt, 96)
+    folder = _write(tmp_path / "e3", _config(tgt, 96), _weights(tgt, ids))
+    budget = PrepareBudget(prompts=16, source="generated", shard_size=4, new_tokens=32, router_width=32)
+    manifest = prepare("tiny-llama", tmp_path / "out", drafter=str(folder), budget=budget, command="t")
+    assert manifest["stages"]["drafter"]["given"] and manifest["stages"]["router"]["held_out_recall"]
+    drafted: list[int] = []
+    add = DraftTree.add
+    monkeypatch.setattr(DraftTree, "add", lambda self, parent, token, logq: (drafted.append(token),
+                                                                            add(self, parent, token, logq))[1])
+    spec = Engine.from_stack(str(tmp_path / "out" / "stack.toml"))
+    assert spec.stack.shortlister.name == "dynaspec"
+    for prompt in ([5, 6, 7, 8], [30, 31, 9]):
+        result = spec.generate(prompt, max_new_tokens=20)
+        assert result.token_ids == reference_greedy("llama", prompt, 20)
+        assert result.stats.mean_shortlist_size < len(ids)  # the router's clusters, inside the vocabulary
+    assert drafted and set(drafted) <= set(ids.tolist())
+    # the router's depth-0 examples are fc of the fused features of the position before
+    drafter = spec.drafter.float()
+    shard = load_shard(shard_paths(tmp_path / "out" / "work")[0])
+
+    def fused(seq):
+        return tgt.forward(seq, torch.arange(len(seq)), tgt.new_cache(len(seq) + 1), layers=drafter.feature_layers)[1]
+
+    assignment = torch.zeros(tgt.vocab_size, dtype=torch.long)
+    _, prev, _ = router_examples(shard, tgt.embed, assignment, drafter, fused=fused)
+    seq = shard["tokens"][: int(shard["offsets"][1])].long()
+    first = max(int(shard["prompt_lens"][0]) - 1, 2)
+    with torch.no_grad():
+        expected = drafter.project(fused(seq)[first - 1].float())
+    assert torch.allclose(prev[0], expected, atol=1e-4)

@@ -196,6 +196,11 @@ class Drafter(nn.Module):
         """What the draft head multiplies: the drafter's output itself."""
         return out
 
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features in the space of the drafter's own outputs (what a router reads as
+        ``h_{t-1}``): the same space here."""
+        return features
+
     def __init__(self, cfg: DrafterConfig, meta: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.cfg = cfg

@@ -63,7 +63,7 @@ class Drafting:
         feats = fresh_features.to(dtype)
         positions = torch.arange(root_pos - len(fresh_tokens) + 1, root_pos + 1, device=device)
         step = DraftStep(depth=0, tokens=fresh_tokens[-1:], token_embeddings=emb[-1:],
-                         prev_hidden=feats[-1:], context=context)
+                         prev_hidden=drafter.project(feats[-1:]), context=context)
         routing = self._start_routing(step)
         with stats.timed("draft_core"):
             out = drafter(emb[None], feats[None], positions[None], cache=dcache)[0][-1:]

@@ -142,12 +142,15 @@ class Eagle3Drafter(Drafter):
     def head_input(self, out: torch.Tensor) -> torch.Tensor:
         return self.norm(out)
 
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """Fused target features through ``fc``; the drafter's own outputs are already h wide."""
+        h = features.to(self.fc.weight.dtype)
+        return self.fc(h) if h.shape[-1] != self.cfg.hidden_size else h
+
     def forward(self, token_embeddings: torch.Tensor, features: torch.Tensor,
                 positions: torch.Tensor, cache=None, mask: torch.Tensor | None = None) -> torch.Tensor:
         dtype = self.fc.weight.dtype
-        h = features.to(dtype)
-        if h.shape[-1] != self.cfg.hidden_size:
-            h = self.fc(h)  # fused target features; the drafter's own outputs are already h wide
+        h = self.project(features)
         attn_in = torch.cat([self.layer.input_norm(token_embeddings.to(dtype)), self.hidden_norm(h)], dim=-1)
         x = h + self.layer.attend(attn_in, positions, cache, mask)
         return x + self.layer.mlp(x)

@@ -127,13 +127,6 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         budget = attrs.evolve(budget, clusters=min(1024, max(2, target.vocab_size // 16)))
     if budget.clusters > target.vocab_size:
         raise ConfigError(f"--clusters {budget.clusters} exceeds the target's vocabulary ({target.vocab_size})")
-    if drafter:
-        from dynaspec.runtime.targets import load_drafter
-
-        if load_drafter(str(resolve_artifact(drafter)), target).feature_layers is not None:
-            raise ConfigError(f"--drafter {drafter} is an EAGLE-3 drafter: its router would need fused target "
-                              "features that prepare does not collect; use it in a stack directly, with the "
-                              "'full' shortlister (its draft vocabulary) or 'frequency' inside it")
     out.mkdir(parents=True, exist_ok=True)  # only once every check has passed
     manifest = manifest or {"format": FORMAT, "target": target_ref, "fingerprint": fingerprint, "stages": {}}
     manifest["budget"] = attrs.asdict(budget)  # the budget of the latest run

@@ -31,10 +31,14 @@ from dynaspec.training import distributed
 
 @torch.no_grad()
 def router_examples(shard: dict[str, torch.Tensor], embed, assignment: torch.Tensor,
-                    drafter: Drafter | None, in_core: torch.Tensor | None = None,
+                    drafter: Drafter | None, in_core: torch.Tensor | None = None, fused=None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(E(x_p) [N, d], h_{p-1} [N, d], cluster label [N]) over the continuation positions. With
-    ``in_core`` (a vocabulary mask), next tokens in the core get the extra label ``M`` (= clusters)."""
+    ``in_core`` (a vocabulary mask), next tokens in the core get the extra label ``M`` (= clusters).
+
+    A drafter that reads fused target layers (EAGLE-3) needs ``fused``: token ids [T] -> the fused
+    features [T, k*d] of that sequence (the shards keep only the last layer). Its examples see what
+    the router sees at draft time: ``fc`` of the fused feature at depth 0, its own output deeper."""
     tokens, feats = shard["tokens"].long(), shard["features"]
     teacher = shard.get("teacher")  # raw-text shards: the target's greedy next token everywhere
     offs = shard["offsets"].tolist()
@@ -50,7 +54,9 @@ def router_examples(shard: dict[str, torch.Tensor], embed, assignment: torch.Ten
         p = torch.arange(first, b - a - 1)
         nxt = teacher[a:b].long()[p] if teacher is not None else seq[p + 1]
         e = embed(seq).float()
-        variants = [f[p - 1]]
+        if drafter is not None and drafter.feature_layers is not None:
+            f = fused(seq).float()  # the drafter's own features; depth 0 reads them through fc
+        variants = [f[p - 1] if drafter is None else drafter.project(f[p - 1]).float()]
         if drafter is not None:
             pos = torch.arange(1, b - a)[None]
             pred = drafter(e[1:][None], f[:-1][None], pos)[0]  # pred[j] ~ f[j + 1]
@@ -86,7 +92,7 @@ def train_router(shards: list[Path], embed, assignment: torch.Tensor, clusters: 
                  *, drafter: Drafter | None, out: Path, fingerprint: dict[str, Any], width: int = 1024,
                  epochs: int = 3, lr: float = 2e-3, batch: int = 1024, holdout: int = 1, seed: int = 0,
                  core_ids: torch.Tensor | None = None, special_ids: tuple[int, ...] = (),
-                 provenance: dict[str, Any] | None = None) -> dict[str, Any]:
+                 provenance: dict[str, Any] | None = None, fused=None) -> dict[str, Any]:
     """Train and save a router; returns held-out recall figures. ``core_ids``: the hybrid's always-on
     frequency core, for a core-aware router; ``special_ids`` (always on too) count as core."""
     from tqdm import tqdm
@@ -105,7 +111,7 @@ def train_router(shards: list[Path], embed, assignment: torch.Tensor, clusters: 
         in_core = torch.zeros(len(assignment), dtype=torch.bool)
         in_core[core_ids.long()] = True
         in_core[list(special_ids)] = True
-    data = [router_examples(load_shard(p), embed, assignment, drafter, in_core)
+    data = [router_examples(load_shard(p), embed, assignment, drafter, in_core, fused)
             for p in tqdm(shards, desc="examples", unit="shard", file=sys.stderr)]
     train_parts, held = data[:-holdout], data[-holdout:]
     e = torch.cat([d[0] for d in train_parts]).to(torch.bfloat16)
@@ -192,10 +198,12 @@ def build_router(target_ref, work: list[str], clusters_ref: str, out: Path, *,
     target = load_target(target_ref)
     fingerprint = target.fingerprint()
     drafter = load_drafter(drafter_ref, target).float() if drafter_ref else None
+    fused = None
     if drafter is not None and drafter.feature_layers is not None:
-        raise ConfigError(f"drafter {drafter_ref} reads fused target layers (EAGLE-3), which the collected "
-                          "shards do not hold: train the router without --drafter, or shortlist inside its "
-                          "draft vocabulary with the 'full' or 'frequency' shortlister")
+        # EAGLE-3: the shards keep the target's last layer only; its fused layers are recomputed
+        def fused(seq: torch.Tensor) -> torch.Tensor:
+            return target.forward(seq, torch.arange(len(seq)), target.new_cache(len(seq) + 1),
+                                  layers=drafter.feature_layers)[1]
     clusters = load_clusters(resolve_artifact(clusters_ref), fingerprint)
     shards = train_shards(work, max_shards)
     core_ids = None
@@ -206,6 +214,6 @@ def build_router(target_ref, work: list[str], clusters_ref: str, out: Path, *,
     return train_router(shards, target.embed, clusters["assignment"].long(), clusters["centroids"].shape[0],
                         target.hidden_size, drafter=drafter, out=out, fingerprint=fingerprint,
                         width=width, epochs=epochs, lr=lr, batch=batch, core_ids=core_ids,
-                        special_ids=target.special_token_ids,
+                        special_ids=target.special_token_ids, fused=fused,
                         provenance={"command": command, "work": work, "clusters": clusters_ref,
                                     "drafter": drafter_ref, "frequency": frequency_ref, "core": core})
