@@ -156,7 +156,7 @@ class Eagle3Drafter(Drafter):
         return x + self.layer.mlp(x)
 
 
-_EAGLE3_LAYER = {**{k: v for k, v in _LAYER.items()}, "hidden_norm.weight": "hidden_norm.weight"}
+_EAGLE3_LAYER = {**_LAYER, "hidden_norm.weight": "hidden_norm.weight"}  # its own norm of h
 
 
 def _load_eagle3(directory: Path, cfg: Mapping[str, Any], weights: dict[str, torch.Tensor],
