@@ -37,6 +37,8 @@ _LAYER = {"self_attn.q_proj.weight": "q_proj.weight", "self_attn.k_proj.weight":
           "mlp.gate_proj.weight": "gate_proj.weight", "mlp.up_proj.weight": "up_proj.weight",
           "mlp.down_proj.weight": "down_proj.weight", "post_attention_layernorm.weight": "post_norm.weight",
           "input_layernorm.weight": "input_norm.weight"}
+#: the drafter's own state names of a checkpoint's decoder-layer weights
+_LAYER_STATE = {k: "layer." + v for k, v in _LAYER.items()}
 #: parts of a checkpoint that dynaspec takes from the target instead
 _TARGETS_OWN = ("embed_tokens.weight", "lm_head.weight")
 
@@ -86,23 +88,33 @@ def load_eagle(directory: str | Path, target_fingerprint: Mapping[str, Any],
         return _load_eagle3(directory, cfg, weights, target_fingerprint, target_layers).to(dtype).eval()
     arch = _config(cfg, weights)
     _check_fits(directory, arch, target_fingerprint)
+    drafter = Drafter(arch, meta={"source": {"format": "eagle", "path": directory.name, "config": cfg}})
+    _load_weights(drafter, weights, directory, kind="EAGLE-1/2", top=("fc.weight", "fc.bias", "norm.weight"),
+                  layer_prefix="layers.0.", layer_map=_LAYER_STATE, ignored=_TARGETS_OWN)
+    return drafter.to(dtype).eval()
+
+
+def _load_weights(drafter: Drafter, weights: Mapping[str, torch.Tensor], directory: Path, *, kind: str,
+                  top: tuple[str, ...], layer_prefix: str, layer_map: Mapping[str, str],
+                  ignored: tuple[str, ...]) -> None:
+    """Map a checkpoint's names onto the drafter's (``top`` as they are, ``layer_prefix`` + a key of
+    ``layer_map`` to its value; ``ignored`` and rotary tables skipped) and load them; anything else,
+    or anything missing, is refused."""
     state: dict[str, torch.Tensor] = {}
     unknown = []
     for key, value in weights.items():
-        if key in ("fc.weight", "fc.bias", "norm.weight"):
+        if key in top:
             state[key] = value
-        elif key.startswith("layers.0.") and key[len("layers.0."):] in _LAYER:
-            state["layer." + _LAYER[key[len("layers.0."):]]] = value
-        elif key not in _TARGETS_OWN and not key.endswith("rotary_emb.inv_freq"):
+        elif key.startswith(layer_prefix) and key[len(layer_prefix):] in layer_map:
+            state[layer_map[key[len(layer_prefix):]]] = value
+        elif key not in ignored and not key.endswith("rotary_emb.inv_freq"):
             unknown.append(key)
     if unknown:
-        raise ConfigError(f"{directory}: not an EAGLE-1/2 drafter, unexpected weights {sorted(unknown)[:6]}")
-    drafter = Drafter(arch, meta={"source": {"format": "eagle", "path": directory.name, "config": cfg}})
+        raise ConfigError(f"{directory}: not an {kind} drafter, unexpected weights {sorted(unknown)[:6]}")
     missing = set(drafter.state_dict()) - set(state)
     if missing:
-        raise ConfigError(f"{directory}: EAGLE checkpoint lacks {sorted(missing)}")
-    drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()})
-    return drafter.to(dtype).eval()
+        raise ConfigError(f"{directory}: {kind} checkpoint lacks {sorted(missing)}")
+    drafter.load_state_dict(state)
 
 
 def _check_fits(directory: Path, arch: DrafterConfig, fingerprint: Mapping[str, Any]) -> None:
@@ -156,7 +168,7 @@ class Eagle3Drafter(Drafter):
         return x + self.layer.mlp(x)
 
 
-_EAGLE3_LAYER = {**_LAYER, "hidden_norm.weight": "hidden_norm.weight"}  # its own norm of h
+_EAGLE3_STATE = {**_LAYER_STATE, "hidden_norm.weight": "hidden_norm.weight"}  # its own norm of h
 
 
 def _load_eagle3(directory: Path, cfg: Mapping[str, Any], weights: dict[str, torch.Tensor],
@@ -193,22 +205,9 @@ def _load_eagle3(directory: Path, cfg: Mapping[str, Any], weights: dict[str, tor
     drafter = Eagle3Drafter(arch, draft_vocab_size=draft_vocab, feature_layers=layers,
                             target_hidden_size=target_hidden, fc_bias=arch.fc_bias,
                             meta={"source": {"format": "eagle3", "path": directory.name, "config": dict(cfg)}})
-    state: dict[str, torch.Tensor] = {}
-    unknown = []
-    for key, value in weights.items():
-        if key in ("fc.weight", "fc.bias", "norm.weight", "lm_head.weight"):
-            state[key] = value
-        elif key.startswith("midlayer.") and key[len("midlayer."):] in _EAGLE3_LAYER:
-            name = _EAGLE3_LAYER[key[len("midlayer."):]]
-            state[name if name == "hidden_norm.weight" else "layer." + name] = value
-        elif key not in ("d2t", "t2d", "embed_tokens.weight") and not key.endswith("rotary_emb.inv_freq"):
-            unknown.append(key)
-    if unknown:
-        raise ConfigError(f"{directory}: not an EAGLE-3 drafter, unexpected weights {sorted(unknown)[:6]}")
-    missing = set(drafter.state_dict()) - set(state)
-    if missing:
-        raise ConfigError(f"{directory}: EAGLE-3 checkpoint lacks {sorted(missing)}")
-    drafter.load_state_dict(state)
+    _load_weights(drafter, weights, directory, kind="EAGLE-3",
+                  top=("fc.weight", "fc.bias", "norm.weight", "lm_head.weight"), layer_prefix="midlayer.",
+                  layer_map=_EAGLE3_STATE, ignored=("d2t", "t2d", "embed_tokens.weight"))
     d2t = weights.get("d2t")
     if d2t is None:
         if draft_vocab != fingerprint.get("vocab_size"):
