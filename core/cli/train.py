@@ -39,6 +39,9 @@ def register(sub) -> None:
     pr.add_argument("--drafter-width", type=positive_int, default=None,
                     help="width of the drafter's MLP (default: the target's intermediate size; narrower is "
                     "a smaller artifact and a cheaper draft step)")
+    pr.add_argument("--feature-layers", type=int, nargs="+", default=None, metavar="LAYER",
+                    help="EAGLE-3-style fused features: target layers whose inputs the drafter reads "
+                    "beside the final hidden state (say a low and a middle one)")
     pr.add_argument("--clusters", type=positive_int, default=None, metavar="M",
                     help="vocabulary clusters (default: the vocabulary / 16, at most 1024)")
     pr.add_argument("--router-epochs", type=positive_int, default=3, help="passes over the router's examples")
@@ -76,6 +79,10 @@ def register(sub) -> None:
     tr.add_argument("--batch-positions", type=int, default=2048)
     tr.add_argument("--unroll", type=int, default=2, help="draft steps trained per position")
     tr.add_argument("--max-shards", type=int, default=None, help="train on the first N shards only")
+    tr.add_argument("--feature-layers", type=int, nargs="+", default=None, metavar="LAYER",
+                    help="EAGLE-3-style fused features: the target layers whose inputs the drafter reads "
+                    "beside the final hidden state (say 2 9: a low and a middle layer); computed once "
+                    "per shard into layers-A-B/ beside the shards")
     tr.add_argument("--drafter-width", type=positive_int, default=None,
                     help="width of the drafter's MLP (default: the target's intermediate size)")
 
@@ -125,7 +132,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     budget = PrepareBudget(prompts=args.prompts, source=args.source, shard_size=args.shard_size,
                            new_tokens=args.new_tokens, steps=args.steps, batch_positions=args.batch_positions,
-                           drafter_width=args.drafter_width, clusters=args.clusters,
+                           drafter_width=args.drafter_width, feature_layers=args.feature_layers,
+                           clusters=args.clusters,
                            router_epochs=args.router_epochs,
                            router_width=args.router_width)
     manifest = prepare(args.target, Path(args.out), budget=budget, drafter=args.drafter, redo=tuple(args.redo),
@@ -160,7 +168,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         provenance = {"command": command_line(), "target": args.target, "work": [Path(w).name for w in args.work]}
         dt.train(target, [Path(w) for w in args.work], Path(args.out), epochs=args.epochs, steps=args.steps, lr=args.lr,
                  window=args.window, batch_positions=args.batch_positions, unroll=args.unroll,
-                 max_shards=args.max_shards, provenance=provenance, intermediate_size=args.drafter_width)
+                 max_shards=args.max_shards, provenance=provenance, intermediate_size=args.drafter_width,
+                 feature_layers=args.feature_layers)
     print(f"done in {time.time() - started:.0f} s", file=sys.stderr)
     return 0
 

@@ -49,6 +49,11 @@ class DrafterConfig:
     input_norm: bool = True
     output_norm: bool = True
     fc_bias: bool = True
+    #: EAGLE-3-style fused features: the target layers whose inputs the first draft step reads,
+    #: the last being the target's layer count (its normed final hidden state, see
+    #: ``TargetModel.forward``); None reads that final state alone
+    feature_layers: tuple[int, ...] | None = attrs.field(
+        default=None, converter=lambda v: None if v is None else tuple(int(i) for i in v))
 
     @activation.validator
     def _act(self, _a, value):
@@ -198,21 +203,42 @@ class Drafter(nn.Module):
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """Target features in the space of the drafter's own outputs (what a router reads as
-        ``h_{t-1}``): the same space here."""
-        return features
+        ``h_{t-1}``): the same space for a drafter that reads the final hidden state; fused target
+        layers through ``fuse`` (each slice but the last, the final state, RMS-normed first). The
+        drafter's own outputs (d wide) are already in that space."""
+        if self.feature_layers is None or features.shape[-1] == self.cfg.hidden_size:
+            return features
+        dtype = self.fuse.weight.dtype
+        parts = features.to(dtype).split(self.cfg.hidden_size, dim=-1)
+        normed = [norm(part) for norm, part in zip(self.layer_norms, parts[:-1])]
+        return self.fuse(torch.cat([*normed, parts[-1]], dim=-1))
 
     def __init__(self, cfg: DrafterConfig, meta: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.meta: dict[str, Any] = dict(meta or {})
-        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
+        d = cfg.hidden_size
+        if cfg.feature_layers is not None:
+            # fused features: the first draft step reads fuse([norm(l_1), ..., f]), deeper steps
+            # their own predicted f. fuse starts as the identity on f, so an untrained fused drafter
+            # is the plain one, and training adds what the lower layers hold
+            self.feature_layers = cfg.feature_layers
+            k = len(cfg.feature_layers)
+            self.layer_norms = nn.ModuleList(RMSNorm(d, cfg.rms_norm_eps) for _ in range(k - 1))
+            self.fuse = nn.Linear(k * d, d, bias=False)
+            with torch.no_grad():
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, (k - 1) * d:] = torch.eye(d)
+        self.fc = nn.Linear(2 * d, d, bias=cfg.fc_bias)
         self.layer = DecoderLayer(cfg)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.output_norm else nn.Identity()
+        self.norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.output_norm else nn.Identity()
 
     def forward(self, token_embeddings: torch.Tensor, features: torch.Tensor,
                 positions: torch.Tensor, cache: DraftCache | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Inputs [B, T, d] each (``E(x_t)`` and ``f_{t-1}``) -> predicted features [B, T, d]."""
+        """Inputs [B, T, d] (``E(x_t)``) and [B, T, d] (``f_{t-1}``, or the drafter's own
+        prediction of it) or [B, T, k*d] (fused target layers) -> predicted features [B, T, d]."""
+        features = self.project(features)
         x = self.fc(torch.cat([token_embeddings, features], dim=-1).to(self.fc.weight.dtype))
         return self.norm(self.layer(x, positions, cache, mask))
 

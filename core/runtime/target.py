@@ -250,16 +250,22 @@ class TargetModel:
         step would compute it.
         Returns the normed final hidden states, [T, d]; with ``layers``, also the inputs of those
         decoder layers side by side, [T, len(layers) * d] (the fused features an EAGLE-3 drafter
-        reads), as a pair.
+        reads), as a pair. Layer index L (one past the last of the L layers) stands for the normed
+        final hidden state itself, what the LM head reads.
         """
         from dynaspec.runtime.batch_invariance import rowwise_chain
 
+        count = len(self.decoder.layers)
+        bad = [i for i in (layers or ()) if not 0 <= i <= count]
+        if bad:
+            raise ConfigError(f"feature layers {bad} are not layers of this target: it has {count} "
+                              f"(0..{count - 1}, and {count} for its final normed hidden state)")
         past = cache.get_seq_length()
         mask = self._masks(past, positions, tree_mask)
         captured: dict[int, torch.Tensor] = {}
         hooks = [self.decoder.layers[i].register_forward_pre_hook(
             lambda _m, args, kwargs, i=i: captured.__setitem__(i, args[0] if args else kwargs["hidden_states"]),
-            with_kwargs=True) for i in (layers or ())]
+            with_kwargs=True) for i in (layers or ()) if i < count]
         try:
             with rowwise_chain(chain and self._rowwise):
                 out = self.decoder(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
@@ -270,7 +276,7 @@ class TargetModel:
         hidden = out.last_hidden_state[0]
         if layers is None:
             return hidden
-        return hidden, torch.cat([captured[i][0] for i in layers], dim=-1)
+        return hidden, torch.cat([captured[i][0] if i < count else hidden for i in layers], dim=-1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits (float32) for hidden states [R, d]."""

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+import attrs
 import torch
 import torch.nn.functional as F
 
@@ -29,7 +30,7 @@ from dynaspec.runtime.drafter import Drafter, DrafterConfig
 from dynaspec.runtime.files import atomic_write
 from dynaspec.runtime.target import TargetModel
 from dynaspec.training import distributed
-from dynaspec.training.shards import describe_shards, load_shard, positions, shard_paths
+from dynaspec.training.shards import describe_shards, layer_inputs_path, load_shard, positions, shard_paths
 
 
 def _windows(shard: dict[str, torch.Tensor], window: int) -> list[tuple[int, int]]:
@@ -76,6 +77,7 @@ class _Unrolled(torch.nn.Module):
     def forward(self, emb: torch.Tensor, inp: torch.Tensor, first: torch.Tensor,
                 positions: torch.Tensor) -> list[torch.Tensor]:
         preds = []
+        first = self.drafter.project(first)  # fused target layers: what the first step reads of them
         for _ in range(self.unroll):
             pred = self.drafter(emb, inp, positions).float()
             preds.append(pred)
@@ -92,23 +94,27 @@ def _step_loss(model: torch.nn.Module, head: torch.Tensor, frequent: torch.Tenso
     DistributedDataParallel averages the gradients, so any number of processes computes the
     gradient of one process over the whole batch."""
     tokens, feats = shard["tokens"], shard["features"]
+    # a drafter with fused features reads the inputs of lower layers beside the final one
+    fused = torch.cat([shard["layer_inputs"], feats], dim=-1) if "layer_inputs" in shard else feats
+    d = feats.shape[1]
     width = max(b - a for a, b in batch) - 1
     bsz = len(batch)
     x = torch.zeros(bsz, width, dtype=torch.long)
-    prev = torch.zeros(bsz, width, feats.shape[1], dtype=torch.bfloat16)
-    nxt = torch.zeros_like(prev)
+    prev = torch.zeros(bsz, width, fused.shape[1], dtype=torch.bfloat16)
+    nxt = torch.zeros(bsz, width, d, dtype=torch.bfloat16)
     valid = torch.zeros(bsz, width, dtype=torch.bool)
     for row, (a, b) in enumerate(batch):
         n = b - a - 1
         x[row, :n] = tokens[a + 1:b].long()
-        prev[row, :n] = feats[a:b - 1]
+        prev[row, :n] = fused[a:b - 1]
         nxt[row, :n] = feats[a + 1:b]
         valid[row, :n] = True
     cand = torch.unique(torch.cat([x[valid], frequent]))
     w_c = head.index_select(0, cand).float()  # [C, d]
     inp = prev.float()
-    if noise:
-        inp = inp + (torch.rand(inp.shape, generator=generator) - 0.5) * noise * inp.std()
+    if noise:  # uniform noise at the scale of each layer's features
+        scale = inp.unflatten(-1, (-1, d)).std(dim=(0, 1, 3)).repeat_interleave(d)
+        inp = inp + (torch.rand(inp.shape, generator=generator) - 0.5) * noise * scale
     count = int(valid.sum())  # positions in the whole batch
     rows = slice(rank, None, world)
     x, inp, nxt, valid = x[rows], inp[rows], nxt[rows].float(), valid[rows]
@@ -126,6 +132,40 @@ def _step_loss(model: torch.nn.Module, head: torch.Tensor, frequent: torch.Tenso
         stats[f"ce{k}"] = float(ce.detach()) * world
         stats[f"acc{k}"] = float((logp.argmax(-1) == teacher.argmax(-1)).float().mean())
     return total * world, stats
+
+
+def _layer_inputs(target: TargetModel, paths: list[Path], layers: tuple[int, ...]) -> None:
+    """Compute, once, the inputs of target ``layers`` at every position of each shard (a drafter
+    with fused features reads them), written atomically beside the shards; resumable."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    if not layers:
+        return
+    todo = [p for p in paths if not layer_inputs_path(p, layers).exists()]
+    for path in tqdm(todo, desc=f"layers {','.join(map(str, layers))}", unit="shard", file=sys.stderr,
+                     disable=not todo):
+        shard = load_shard(path)
+        tokens, offs = shard["tokens"].long().to(target.device), shard["offsets"].tolist()
+        parts = [target.forward(tokens[a:b], torch.arange(b - a, device=target.device),
+                                target.new_cache(b - a + 1), layers=layers)[1]
+                 for a, b in zip(offs[:-1], offs[1:])]
+        inputs = torch.cat(parts).to(torch.bfloat16).cpu().contiguous()
+        out = layer_inputs_path(path, layers)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(out, lambda p, inputs=inputs: save_file({"inputs": inputs}, str(p), metadata={
+            "layers": ",".join(map(str, layers)), "target": target.fingerprint()["lm_head_sha256_rows64"]}))
+
+
+def _load_training_shard(path: Path, layers: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    shard = load_shard(path)
+    if layers:
+        inputs = load_shard(layer_inputs_path(path, layers))["inputs"]
+        if inputs.shape[0] != shard["tokens"].numel():
+            raise ValueError(f"{layer_inputs_path(path, layers)} does not match {path}: "
+                             f"{inputs.shape[0]} positions, the shard has {shard['tokens'].numel()}; delete it")
+        shard["layer_inputs"] = inputs
+    return shard
 
 
 def _save_checkpoint(drafter: Drafter, opt: torch.optim.Optimizer, state: dict[str, Any], work: Path) -> None:
@@ -163,7 +203,7 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
           lr: float = 1e-3, window: int = 256, batch_positions: int = 2048, unroll: int = 2,
           frequent: int = 2048, noise: float = 0.1, max_shards: int | None = None, seed: int = 0,
           checkpoint_every: int = 100, provenance: dict[str, Any] | None = None,
-          intermediate_size: int | None = None) -> Drafter:
+          intermediate_size: int | None = None, feature_layers: Sequence[int] | None = None) -> Drafter:
     """Train a drafter on the collected shards of ``work`` (one folder, or several: say an English
     and code collection and a non-English one); write it to ``out``.
 
@@ -171,6 +211,8 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
     every epoch, so a collection still running beside the training feeds later epochs. Checkpoints
     live in ``<first work folder>/ckpt-<out name>``; a rerun with the same arguments resumes there.
     ``intermediate_size`` sets the width of the drafter's MLP (default: the target's).
+    ``feature_layers`` (EAGLE-3-style fused features): target layers whose inputs the drafter reads
+    beside the final hidden state, computed once per shard into ``layers-A-B/`` beside it.
     """
     from tqdm import tqdm
 
@@ -188,7 +230,15 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
     ckpt.mkdir(parents=True, exist_ok=True)
     rank, world = distributed.join()
     torch.manual_seed(seed)
-    drafter = Drafter(DrafterConfig.like_target(target.model, intermediate_size=intermediate_size)).float()
+    lower = tuple(sorted(set(int(i) for i in feature_layers or ())))
+    count = len(target.decoder.layers)
+    if any(not 0 <= i < count for i in lower):
+        raise ValueError(f"feature layers {list(lower)} must lie in 0..{count - 1}: the target has {count} layers")
+    _layer_inputs(target, paths, lower)
+    config = DrafterConfig.like_target(target.model, intermediate_size=intermediate_size)
+    if lower:
+        config = attrs.evolve(config, feature_layers=(*lower, count))  # the final state last
+    drafter = Drafter(config).float()
     head = target.lm_head_weight.detach()
     freq = _frequent_tokens(paths, frequent)
     total_steps = steps or epochs * max(1, positions(paths) // batch_positions)
@@ -220,11 +270,12 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
         if not state["shards"]:  # a new epoch: the current shard list, shuffled
             current = shard_list()
             describe_shards(current)  # a shard added since the start must be train too
+            _layer_inputs(target, current, lower)
             names = [os.path.relpath(p, first) for p in current]  # plain names for the first folder
             random.Random(seed + state["epoch"]).shuffle(names)
             state["shards"] = names
         for pos in range(state["shard"], len(state["shards"])):
-            shard = load_shard(first / state["shards"][pos])
+            shard = _load_training_shard(first / state["shards"][pos], lower)
             rng = random.Random(seed * 1000 + state["epoch"] * 100 + pos)
             for batch in _batches(shard, window, batch_positions, rng):
                 if steps is not None and done():
@@ -258,7 +309,7 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
         "target": target.fingerprint(),
         "training": {**(provenance or {}), "data": described["data"], "shard_sources": described["sources"],
                      "steps": state["step"], "epochs_started": state["epoch"] + 1,
-                     "lr": lr, "window": window, "batch_positions": batch_positions, "unroll": unroll,
+                     "feature_layers": list(config.feature_layers or ()) or None, "lr": lr, "window": window, "batch_positions": batch_positions, "unroll": unroll,
                      "frequent": frequent, "noise": noise, "shards_at_end": len(used),
                      "positions_at_end": positions(used),
                      "train_seconds_this_run": round(time.time() - start, 1),

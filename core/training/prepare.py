@@ -47,6 +47,9 @@ class PrepareBudget:
     steps: int = 1000              # drafter optimiser steps
     batch_positions: int = 2048
     drafter_width: int | None = None  # the drafter's MLP width; None: the target's
+    #: target layers the drafter reads beside the final hidden state (fused features); None: none
+    feature_layers: tuple[int, ...] | None = attrs.field(
+        default=None, converter=lambda v: None if not v else tuple(int(i) for i in v))
     clusters: int | None = None    # None: min(1024, vocabulary / 16)
     kmeans_iterations: int = 25
     router_epochs: int = 3
@@ -150,7 +153,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
             return {"outputs": [str(drafter_dir)], "given": True}
         drafter_training.train(target, work, drafter_dir, steps=budget.steps,
                                batch_positions=budget.batch_positions, seed=seed,
-                               intermediate_size=budget.drafter_width,
+                               intermediate_size=budget.drafter_width, feature_layers=budget.feature_layers,
                                provenance={"command": command, "target": target_ref, "work": "work"})
         return {"outputs": ["drafter"]}
 

