@@ -105,3 +105,18 @@ def test_prepare_with_fused_features_is_exact(tmp_path):
     tree = Engine.from_stack(str(tmp_path / "out" / "stack.toml"),
                              overrides={"draft": {"mode": "tree", "depth": 4, "topk": 3, "total_tokens": 12}})
     assert tree.generate([5, 6, 7, 8], max_new_tokens=24).token_ids == reference_greedy("llama", [5, 6, 7, 8], 24)
+    # the router read the lower layers' inputs that training left beside the shards: the same
+    # examples as recomputing the fused features from the tokens
+    from dynaspec.training.router import router_examples
+
+    drafter, tgt = spec.drafter.float(), spec.target
+    path = shard_paths(tmp_path / "out" / "work")[0]
+    assignment = torch.arange(tgt.vocab_size) % 7
+
+    def fused(seq):
+        return tgt.forward(seq, torch.arange(len(seq)), tgt.new_cache(len(seq) + 1), layers=drafter.feature_layers)[1]
+
+    _, read, labels = router_examples(load_shard(path, (0,)), tgt.embed, assignment, drafter)
+    _, recomputed, same = router_examples(load_shard(path), tgt.embed, assignment, drafter, fused=fused)
+    assert torch.equal(labels, same) and len(labels) > 0
+    torch.testing.assert_close(read, recomputed, atol=0.05, rtol=0.05)

@@ -157,17 +157,6 @@ def _layer_inputs(target: TargetModel, paths: list[Path], layers: tuple[int, ...
             "layers": ",".join(map(str, layers)), "target": target.fingerprint()["lm_head_sha256_rows64"]}))
 
 
-def _load_training_shard(path: Path, layers: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    shard = load_shard(path)
-    if layers:
-        inputs = load_shard(layer_inputs_path(path, layers))["inputs"]
-        if inputs.shape[0] != shard["tokens"].numel():
-            raise ValueError(f"{layer_inputs_path(path, layers)} does not match {path}: "
-                             f"{inputs.shape[0]} positions, the shard has {shard['tokens'].numel()}; delete it")
-        shard["layer_inputs"] = inputs
-    return shard
-
-
 def _save_checkpoint(drafter: Drafter, opt: torch.optim.Optimizer, state: dict[str, Any], work: Path) -> None:
     from safetensors.torch import save_file
 
@@ -275,7 +264,7 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
             random.Random(seed + state["epoch"]).shuffle(names)
             state["shards"] = names
         for pos in range(state["shard"], len(state["shards"])):
-            shard = _load_training_shard(first / state["shards"][pos], lower)
+            shard = load_shard(first / state["shards"][pos], lower)
             rng = random.Random(seed * 1000 + state["epoch"] * 100 + pos)
             for batch in _batches(shard, window, batch_positions, rng):
                 if steps is not None and done():

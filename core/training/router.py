@@ -54,7 +54,9 @@ def router_examples(shard: dict[str, torch.Tensor], embed, assignment: torch.Ten
         p = torch.arange(first, b - a - 1)
         nxt = teacher[a:b].long()[p] if teacher is not None else seq[p + 1]
         e = embed(seq).float()
-        if drafter is not None and drafter.feature_layers is not None:
+        if "layer_inputs" in shard:  # computed once for a drafter with fused features
+            f = torch.cat([shard["layer_inputs"][a:b], feats[a:b]], dim=-1).float()
+        elif drafter is not None and drafter.feature_layers is not None:
             f = fused(seq).float()  # the drafter's own features; depth 0 reads them through fc
         variants = [f[p - 1] if drafter is None else drafter.project(f[p - 1]).float()]
         if drafter is not None:
@@ -92,9 +94,12 @@ def train_router(shards: list[Path], embed, assignment: torch.Tensor, clusters: 
                  *, drafter: Drafter | None, out: Path, fingerprint: dict[str, Any], width: int = 1024,
                  epochs: int = 3, lr: float = 2e-3, batch: int = 1024, holdout: int = 1, seed: int = 0,
                  core_ids: torch.Tensor | None = None, special_ids: tuple[int, ...] = (),
-                 provenance: dict[str, Any] | None = None, fused=None) -> dict[str, Any]:
+                 provenance: dict[str, Any] | None = None, fused=None,
+                 layers: tuple[int, ...] = ()) -> dict[str, Any]:
     """Train and save a router; returns held-out recall figures. ``core_ids``: the hybrid's always-on
-    frequency core, for a core-aware router; ``special_ids`` (always on too) count as core."""
+    frequency core, for a core-aware router; ``special_ids`` (always on too) count as core.
+    ``layers``: read the inputs of these target layers from beside the shards (computed when a
+    drafter with fused features was trained on them) instead of recomputing them with ``fused``."""
     from tqdm import tqdm
 
     from dynaspec.training.shards import load_shard
@@ -111,7 +116,7 @@ def train_router(shards: list[Path], embed, assignment: torch.Tensor, clusters: 
         in_core = torch.zeros(len(assignment), dtype=torch.bool)
         in_core[core_ids.long()] = True
         in_core[list(special_ids)] = True
-    data = [router_examples(load_shard(p), embed, assignment, drafter, in_core, fused)
+    data = [router_examples(load_shard(p, layers), embed, assignment, drafter, in_core, fused)
             for p in tqdm(shards, desc="examples", unit="shard", file=sys.stderr)]
     train_parts, held = data[:-holdout], data[-holdout:]
     e = torch.cat([d[0] for d in train_parts]).to(torch.bfloat16)
@@ -189,6 +194,7 @@ def build_router(target_ref, work: list[str], clusters_ref: str, out: Path, *,
     from dynaspec.errors import ConfigError
     from dynaspec.runtime.targets import load_drafter, load_target, resolve_artifact
     from dynaspec.shortlisters.clusters import load_clusters
+    from dynaspec.training.shards import layer_inputs_path
 
     if (core is None) != (frequency_ref is None):
         raise ConfigError("--core and --frequency go together: the hybrid's always-on core is the top "
@@ -198,14 +204,17 @@ def build_router(target_ref, work: list[str], clusters_ref: str, out: Path, *,
     target = load_target(target_ref)
     fingerprint = target.fingerprint()
     drafter = load_drafter(drafter_ref, target).float() if drafter_ref else None
-    fused = None
-    if drafter is not None and drafter.feature_layers is not None:
+    fused, layers = None, ()
+    shards = train_shards(work, max_shards)
+    own = drafter.cfg.feature_layers if drafter is not None else None
+    if own and all(layer_inputs_path(p, own[:-1]).exists() for p in shards):
+        layers = own[:-1]  # dynaspec's fused drafter: its training left the lower layers' inputs there
+    elif drafter is not None and drafter.feature_layers is not None:
         # EAGLE-3: the shards keep the target's last layer only; its fused layers are recomputed
         def fused(seq: torch.Tensor) -> torch.Tensor:
             return target.forward(seq, torch.arange(len(seq)), target.new_cache(len(seq) + 1),
                                   layers=drafter.feature_layers)[1]
     clusters = load_clusters(resolve_artifact(clusters_ref), fingerprint)
-    shards = train_shards(work, max_shards)
     core_ids = None
     if core is not None:
         from dynaspec.shortlisters.frequency import load_frequency
@@ -214,6 +223,6 @@ def build_router(target_ref, work: list[str], clusters_ref: str, out: Path, *,
     return train_router(shards, target.embed, clusters["assignment"].long(), clusters["centroids"].shape[0],
                         target.hidden_size, drafter=drafter, out=out, fingerprint=fingerprint,
                         width=width, epochs=epochs, lr=lr, batch=batch, core_ids=core_ids,
-                        special_ids=target.special_token_ids, fused=fused,
+                        special_ids=target.special_token_ids, fused=fused, layers=layers,
                         provenance={"command": command, "work": work, "clusters": clusters_ref,
                                     "drafter": drafter_ref, "frequency": frequency_ref, "core": core})

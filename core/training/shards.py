@@ -62,10 +62,20 @@ def layer_inputs_path(shard: Path, layers: tuple[int, ...]) -> Path:
     return shard.parent / ("layers-" + "-".join(map(str, layers))) / shard.name
 
 
-def load_shard(path: Path) -> dict[str, torch.Tensor]:
+def load_shard(path: Path, layers: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+    """A shard's tensors; with ``layers``, also ``layer_inputs``: the inputs of those target layers
+    at every position (see :func:`layer_inputs_path`)."""
     from safetensors.torch import load_file
 
-    return load_file(str(path))
+    shard = load_file(str(path))
+    if layers:
+        side = layer_inputs_path(path, layers)
+        inputs = load_file(str(side))["inputs"]
+        if inputs.shape[0] != shard["tokens"].numel():
+            raise ValueError(f"{side} does not match {path}: {inputs.shape[0]} positions, the shard has "
+                             f"{shard['tokens'].numel()}; delete it to compute it again")
+        shard["layer_inputs"] = inputs
+    return shard
 
 
 def positions(paths: list[Path]) -> int:
