@@ -63,7 +63,7 @@ def main() -> None:
     text = markdown_table(["drafter", "train positions", *[f"accepted length: {s}" for s in SLICES]], rows)
     text += (f"\n\nLog-linear fit over the {len(points)} points: accepted length = {a:.3f} + {b:.3f} ln(positions), "
              f"that is +{b * math.log(2):.3f} per doubling of the data; {args.goal} at about "
-             f"{need / 1e6:.1f} M positions.\n")
+             f"{float(f'{need:.2g}'):,.0f} positions (two significant figures).\n")
     out = Path(args.out)
     out.with_suffix(".md").write_text(text)
     with figure(out.with_suffix(".png"), xlabel="training positions", ylabel="dev accepted length (chain of 5)",
