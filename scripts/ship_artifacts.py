@@ -29,16 +29,23 @@ def strip_paths(text: str) -> str:
 
 
 def clean(path: Path) -> None:
-    """Rewrite one shipped file's provenance without absolute paths (atomically)."""
+    """Rewrite one shipped file's provenance without absolute paths (atomically); a file without
+    any is left byte for byte as it is."""
     tmp = path.with_name(path.name + ".tmp")
     if path.suffix == ".json":
-        tmp.write_text(strip_paths(path.read_text()))
+        text = path.read_text()
+        if strip_paths(text) == text:
+            return
+        tmp.write_text(strip_paths(text))
     else:
         from safetensors import safe_open
         from safetensors.torch import save_file
 
         with safe_open(str(path), framework="pt") as fh:
-            metadata = {k: strip_paths(v) for k, v in (fh.metadata() or {}).items()}
+            original = fh.metadata() or {}
+            metadata = {k: strip_paths(v) for k, v in original.items()}
+            if metadata == original:
+                return
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}
         save_file(tensors, str(tmp), metadata=metadata or None)
     tmp.chmod(0o644)  # readable by everyone, as a package's data files are
