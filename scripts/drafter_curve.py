@@ -7,7 +7,8 @@ and the log-linear fit that extrapolates it.
         --point ...
 
 Each ``--point`` is a label, the drafter's ``drafter.json`` (its ``positions_at_end``) and the
-``dynaspec eval --json-out`` reports of its dev run (the parts of one run are merged).
+``dynaspec eval --json-out`` reports of its dev run (the parts of one run are merged). ``--extra``
+points (drafters of another recipe) are tabled and plotted apart, and left out of the fit.
 """
 
 from __future__ import annotations
@@ -47,19 +48,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--point", nargs="+", action="append", required=True,
                         metavar="LABEL DRAFTER_JSON REPORT", help="a label, a drafter.json and its dev reports")
+    parser.add_argument("--extra", nargs="+", action="append", default=[], metavar="LABEL DRAFTER_JSON REPORT",
+                        help="a drafter of another recipe: tabled and plotted apart, not fitted")
     parser.add_argument("--stack", default="eagle-chain", help="the evaluated stack's name in the reports")
+    parser.add_argument("--extra-stack", default=None, help="its name in the --extra reports (default: --stack)")
     parser.add_argument("--goal", type=float, default=2.8, help="the accepted length to extrapolate to")
     parser.add_argument("--out", required=True, help="OUT.md and OUT.png are written")
     args = parser.parse_args()
-    if any(len(p) < 3 for p in args.point):
+    if any(len(p) < 3 for p in args.point + args.extra):
         parser.error("each --point needs a label, a drafter.json and at least one report")
     points = sorted((_point(p[0], p[1], p[2:], args.stack) for p in args.point), key=lambda p: p["positions"])
     if len(points) < 2:
         parser.error("a curve needs at least two points")
+    extras = [_point(p[0], p[1], p[2:], args.extra_stack or args.stack) for p in args.extra]
     a, b = fit(points)
     need = math.exp((args.goal - a) / b) if b > 0 else float("inf")
     rows = [[p["label"], f"{p['positions']:,}", *(f"{p[s]:.3f}" if s in p else "-" for s in SLICES)]
             for p in points]
+    rows += [[f"{p['label']} (another recipe, not fitted)", f"{p['positions']:,}",
+              *(f"{p[s]:.3f}" if s in p else "-" for s in SLICES)] for p in extras]
     text = markdown_table(["drafter", "train positions", *[f"accepted length: {s}" for s in SLICES]], rows)
     text += (f"\n\nLog-linear fit over the {len(points)} points: accepted length = {a:.3f} + {b:.3f} ln(positions), "
              f"that is +{b * math.log(2):.3f} per doubling of the data; {args.goal} at about "
@@ -75,7 +82,9 @@ def main() -> None:
         span = [min(xs), max(max(xs), min(need, 50 * max(xs)))]
         ax.plot(span, [a + b * math.log(x) for x in span], ":", color="gray", label="log-linear fit")
         ax.axhline(args.goal, color="red", alpha=0.4, label=f"goal {args.goal}")
-        for p in points:
+        for p in extras:
+            ax.plot([p["positions"]], [p["overall"]], "*", markersize=12, label=f"{p['label']}, overall")
+        for p in points + extras:
             ax.annotate(p["label"], (p["positions"], p["overall"]), textcoords="offset points", xytext=(4, -10),
                         fontsize=7)
     print(text)

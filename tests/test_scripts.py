@@ -40,11 +40,13 @@ def test_drafter_curve_tables_fits_and_plots(tmp_path):
     # accepted length 2 at 1,000 positions and 3 at e * 1,000: a fit of 2 + ln(positions / 1,000)
     args = [*_point(tmp_path, "small", 1000, [[2, 2], [2, 2]]),
             *_point(tmp_path, "large", round(1000 * math.e), [[3, 3], [3]])]
-    done = _run("--out", str(tmp_path / "curve"), "--goal", "4", *args)
+    extra = _point(tmp_path, "other", 1000, [[5], [5]])[1:]  # another recipe: tabled, not fitted
+    done = _run("--out", str(tmp_path / "curve"), "--goal", "4", *args, "--extra", *extra)
     assert done.returncode == 0, done.stderr
     table = (tmp_path / "curve.md").read_text()
     assert "| small | 1,000 | 2.000 | - | 2.000 | - |" in table  # both parts' one prompt is code
-    assert "| large | 2,718 | 3.000 |" in table
+    assert "| large | 2,718 | 3.000 |" in table and "| other (another recipe, not fitted) | 1,000 | 5.000 |" in table
+    assert "fit over the 2 points" in table
     assert "+0.693 per doubling" in table and "4.0 at about 7,400 positions" in table  # e^2 * 1,000
     assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
 
