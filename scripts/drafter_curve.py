@@ -18,6 +18,8 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
+
 from dynaspec.evaluation.evaluate import merge
 from dynaspec.evaluation.plots import figure, markdown_table
 
@@ -30,18 +32,14 @@ def _point(label: str, drafter_json: str, reports: list[str], stack: str) -> dic
     figures = report["stacks"][stack]
     if not all(f["exact"] for f in figures.values()):
         raise SystemExit(f"{label}: an output differs from the baseline's")
-    return {"label": label, "positions": int(training["positions_at_end"]), "shards": training["shard_sources"],
-            "prompts": figures["overall"]["prompts"],
+    return {"label": label, "positions": int(training["positions_at_end"]),
             **{s: figures[s]["mean_accepted_length"] for s in SLICES if s in figures}}
 
 
 def fit(points: list[dict]) -> tuple[float, float]:
-    """Least squares of accepted length = a + b * ln(positions)."""
-    xs = [math.log(p["positions"]) for p in points]
-    ys = [p["overall"] for p in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - b * mx, b
+    """Least squares of accepted length = a + b * ln(positions): (a, b)."""
+    b, a = np.polyfit([math.log(p["positions"]) for p in points], [p["overall"] for p in points], 1)
+    return float(a), float(b)
 
 
 def main() -> None:

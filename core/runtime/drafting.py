@@ -60,10 +60,10 @@ class Drafting:
         device, dtype = target.device, drafter.fc.weight.dtype
         with stats.timed("embed"):
             emb = target.embed(fresh_tokens).to(dtype)
-        feats = fresh_features.to(dtype)
+        feats = drafter.project(fresh_features.to(dtype))  # fused target layers: projected once
         positions = torch.arange(root_pos - len(fresh_tokens) + 1, root_pos + 1, device=device)
         step = DraftStep(depth=0, tokens=fresh_tokens[-1:], token_embeddings=emb[-1:],
-                         prev_hidden=drafter.project(feats[-1:]), context=context)
+                         prev_hidden=feats[-1:], context=context)
         routing = self._start_routing(step)
         with stats.timed("draft_core"):
             out = drafter(emb[None], feats[None], positions[None], cache=dcache)[0][-1:]

@@ -237,6 +237,12 @@ class TargetModel:
         can be dropped by index; the windows live in our masks."""
         return _new_kv_cache(capacity)
 
+    def fused_features(self, ids: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
+        """The inputs of ``layers`` at every position of one sequence ``ids`` [T], run from an empty
+        cache: [T, len(layers) * d] (see :meth:`forward`)."""
+        return self.forward(ids, torch.arange(len(ids), device=ids.device), self.new_cache(len(ids) + 1),
+                            layers=layers)[1]
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: Any,
                 tree_mask: torch.Tensor | None = None, *, chain: bool = False,

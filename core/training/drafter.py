@@ -95,18 +95,21 @@ def _step_loss(model: torch.nn.Module, head: torch.Tensor, frequent: torch.Tenso
     gradient of one process over the whole batch."""
     tokens, feats = shard["tokens"], shard["features"]
     # a drafter with fused features reads the inputs of lower layers beside the final one
-    fused = torch.cat([shard["layer_inputs"], feats], dim=-1) if "layer_inputs" in shard else feats
+    lower = shard.get("layer_inputs")
     d = feats.shape[1]
+    extra = 0 if lower is None else lower.shape[1]
     width = max(b - a for a, b in batch) - 1
     bsz = len(batch)
     x = torch.zeros(bsz, width, dtype=torch.long)
-    prev = torch.zeros(bsz, width, fused.shape[1], dtype=torch.bfloat16)
+    prev = torch.zeros(bsz, width, extra + d, dtype=torch.bfloat16)
     nxt = torch.zeros(bsz, width, d, dtype=torch.bfloat16)
     valid = torch.zeros(bsz, width, dtype=torch.bool)
     for row, (a, b) in enumerate(batch):
         n = b - a - 1
         x[row, :n] = tokens[a + 1:b].long()
-        prev[row, :n] = fused[a:b - 1]
+        if lower is not None:
+            prev[row, :n, :extra] = lower[a:b - 1]
+        prev[row, :n, extra:] = feats[a:b - 1]
         nxt[row, :n] = feats[a + 1:b]
         valid[row, :n] = True
     cand = torch.unique(torch.cat([x[valid], frequent]))
@@ -147,9 +150,7 @@ def _layer_inputs(target: TargetModel, paths: list[Path], layers: tuple[int, ...
                      disable=not todo):
         shard = load_shard(path)
         tokens, offs = shard["tokens"].long().to(target.device), shard["offsets"].tolist()
-        parts = [target.forward(tokens[a:b], torch.arange(b - a, device=target.device),
-                                target.new_cache(b - a + 1), layers=layers)[1]
-                 for a, b in zip(offs[:-1], offs[1:])]
+        parts = [target.fused_features(tokens[a:b], layers) for a, b in zip(offs[:-1], offs[1:])]
         inputs = torch.cat(parts).to(torch.bfloat16).cpu().contiguous()
         out = layer_inputs_path(path, layers)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -298,7 +299,8 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
         "target": target.fingerprint(),
         "training": {**(provenance or {}), "data": described["data"], "shard_sources": described["sources"],
                      "steps": state["step"], "epochs_started": state["epoch"] + 1,
-                     "feature_layers": list(config.feature_layers or ()) or None, "lr": lr, "window": window, "batch_positions": batch_positions, "unroll": unroll,
+                     "feature_layers": list(config.feature_layers or ()) or None,
+                     "lr": lr, "window": window, "batch_positions": batch_positions, "unroll": unroll,
                      "frequent": frequent, "noise": noise, "shards_at_end": len(used),
                      "positions_at_end": positions(used),
                      "train_seconds_this_run": round(time.time() - start, 1),

@@ -212,8 +212,7 @@ def build_router(target_ref, work: list[str], clusters_ref: str, out: Path, *,
     elif drafter is not None and drafter.feature_layers is not None:
         # EAGLE-3: the shards keep the target's last layer only; its fused layers are recomputed
         def fused(seq: torch.Tensor) -> torch.Tensor:
-            return target.forward(seq, torch.arange(len(seq)), target.new_cache(len(seq) + 1),
-                                  layers=drafter.feature_layers)[1]
+            return target.fused_features(seq, drafter.feature_layers)
     clusters = load_clusters(resolve_artifact(clusters_ref), fingerprint)
     core_ids = None
     if core is not None:
