@@ -31,7 +31,7 @@ def shards(tmp_path_factory):
     texts = ["def add(a, b):\n    return a + b", "The quick brown fox jumps over the lazy dog.",
              "Hola, como estas? Muy bien, gracias.", "for i in range(10):\n    print(i * i)"] * 3
 
-    def prompt_batches(tokenizer, start, count, max_prompt_tokens, split="train", slice_name=None, fmt=None):
+    def prompt_batches(tokenizer, start, count, max_prompt_tokens, split="train", slice_name=None, fmt=None, turns="first"):
         return [(f"t{k}", tokenizer(texts[k])["input_ids"]) for k in range(start, min(start + count, len(texts)))]
 
     mp = pytest.MonkeyPatch()

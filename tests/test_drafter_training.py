@@ -21,7 +21,7 @@ TEXTS = ["Hello there, how are you?", "Write a poem about the sea.", "def f(x): 
 
 @pytest.fixture
 def fake_prompts(monkeypatch):
-    def prompt_batches(tokenizer, start, count, max_prompt_tokens, split="train", slice_name=None, fmt=None):
+    def prompt_batches(tokenizer, start, count, max_prompt_tokens, split="train", slice_name=None, fmt=None, turns="first"):
         return [(f"id{k}", tokenizer(TEXTS[k])["input_ids"][:max_prompt_tokens])
                 for k in range(start, min(start + count, len(TEXTS)))]
 
@@ -83,7 +83,7 @@ def test_resumed_training_records_the_shards_it_ended_with_and_all_its_time(tmp_
     earlier = json.loads((work / "ckpt-d" / "checkpoint.json").read_text())["seconds"]
     assert earlier > 0
     # a raw shard lands in the folder while the run is paused; the resumed run's later epochs use it
-    monkeypatch.setattr(dc, "_raw_batches", lambda tok, start, count, max_tokens, split="train", slice_name=None, fmt=None:
+    monkeypatch.setattr(dc, "_raw_batches", lambda tok, start, count, max_tokens, split="train", slice_name=None, fmt=None, turns="first":
                         [("r", tok(TEXTS[3])["input_ids"], 2)] if start == 0 else [])
     raw = dc.collect(target, tmp_path / "raw", prompts=1, shard_size=1, source="raw", new_tokens=4,
                      slice_name="non-english")
@@ -117,7 +117,7 @@ def test_raw_collection_stores_the_targets_greedy_next_token(tmp_path, monkeypat
 
     tgt = tiny_target("llama")
 
-    def raw_batches(tokenizer, start, count, max_tokens, split="train", slice_name=None, fmt=None):
+    def raw_batches(tokenizer, start, count, max_tokens, split="train", slice_name=None, fmt=None, turns="first"):
         return [(f"r{k}", tokenizer(TEXTS[k])["input_ids"][:max_tokens], 3)
                 for k in range(start, min(start + count, len(TEXTS)))]
 
@@ -145,7 +145,7 @@ def test_describe_shards_counts_sources_and_refuses_dev(tmp_path, fake_prompts, 
 
     tgt = tiny_target("llama")
     gen = dc.collect(tgt, tmp_path / "w", prompts=2, shard_size=2, batch=2, new_tokens=4)
-    monkeypatch.setattr(dc, "_raw_batches", lambda tok, start, count, max_tokens, split="train", slice_name=None, fmt=None:
+    monkeypatch.setattr(dc, "_raw_batches", lambda tok, start, count, max_tokens, split="train", slice_name=None, fmt=None, turns="first":
                         [("r", tok(TEXTS[0])["input_ids"], 2)] if start == 0 else [])
     raw = dc.collect(tgt, tmp_path / "r", prompts=1, shard_size=1, source="raw", new_tokens=4)
     described = dt.describe_shards(gen + raw)

@@ -75,7 +75,7 @@ def artifacts(tmp_path_factory):
     tgt = target("llama")
     texts = [f"Tell me about item number {i} and why it matters." for i in range(12)]
 
-    def prompt_batches(tokenizer, start, count, max_prompt_tokens, split="train", slice_name=None, fmt=None):
+    def prompt_batches(tokenizer, start, count, max_prompt_tokens, split="train", slice_name=None, fmt=None, turns="first"):
         return [(f"t{k}", tokenizer(texts[k])["input_ids"]) for k in range(start, min(start + count, len(texts)))]
 
     mp = pytest.MonkeyPatch()

@@ -68,6 +68,11 @@ def register(sub) -> None:
                     "with the target's greedy next token stored as the teacher")
     tr.add_argument("--slice", choices=["english", "code", "non-english"], default=None,
                     help="collect only prompts of this slice (e.g. a held-out non-English set)")
+    tr.add_argument("--turns", choices=["first", "later"], default="first",
+                    help="first: each train conversation's first human turn (the dev protocol's kind of "
+                    "prompt); later: its second and later human turns, each standing alone as a prompt "
+                    "(more text of every slice, non-English above all; train split only, and never the "
+                    "conversations that 'dynaspec eval --split train' chooses settings on)")
     tr.add_argument("--worker", type=int, default=0, help="this process's index among --workers")
     tr.add_argument("--workers", type=int, default=1, help="collection processes sharing the shards")
     tr.add_argument("--epochs", type=int, default=2)
@@ -154,6 +159,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
     if args.stage in ("collect", "all") and len(args.work) > 1:
         raise ConfigError("--stage collect writes one --work folder; give one")
+    if args.stage in ("collect", "all") and args.turns == "later" and args.split != "train":
+        raise ConfigError("--turns later collects on the train split only")
     target = load_target(args.target)
     work = Path(args.work[0])
     started = time.time()
@@ -161,7 +168,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         collect(target, work, prompts=args.prompts, shard_size=args.shard_size, batch=args.batch,
                    new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                    worker=args.worker, workers=args.workers, split=args.split, slice_name=args.slice,
-                   source=args.source)
+                   source=args.source, turns=args.turns)
     if args.stage in ("train", "all"):
         if not args.out:
             raise ConfigError("--out is required to train")

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from dynaspec.errors import ConfigError
 from dynaspec.runtime.files import atomic_write
 from dynaspec.runtime.prompt import format_prompt
 from dynaspec.runtime.target import TargetModel
@@ -26,13 +27,25 @@ from dynaspec.training import distributed
 from dynaspec.training.shards import shard_path
 
 
+def _turn_items(split: str, turns: str):
+    """The prompt items collection reads: first human turns, or (``turns="later"``, train only)
+    the later turns standing alone (:func:`dynaspec.training.data.later_turn_prompts`)."""
+    from dynaspec.training.data import dev_protocol_prompts, later_turn_prompts, training_prompts
+
+    if turns == "later":
+        if split != "train":
+            raise ConfigError("later turns are collected on the train split only")
+        return later_turn_prompts()
+    if turns != "first":
+        raise ConfigError(f"turns must be 'first' or 'later', got {turns!r}")
+    return training_prompts() if split == "train" else dev_protocol_prompts(n=1 << 30)
+
+
 def _prompt_batches(tokenizer, start: int, count: int, max_prompt_tokens: int,
                     split: str = "train", slice_name: str | None = None,
-                    fmt: Callable[[str], str] = format_prompt) -> list[tuple[str, list[int]]]:
-    """(id, ids) of ``fmt(first human turn)`` (``fmt``: the target's prompt format)."""
-    from dynaspec.training.data import dev_protocol_prompts, training_prompts
-
-    source = training_prompts() if split == "train" else dev_protocol_prompts(n=1 << 30)
+                    fmt: Callable[[str], str] = format_prompt, turns: str = "first") -> list[tuple[str, list[int]]]:
+    """(id, ids) of ``fmt(human turn)`` (``fmt``: the target's prompt format)."""
+    source = _turn_items(split, turns)
     if slice_name is not None:
         source = (item for item in source if item["slice"] == slice_name)
     items = []
@@ -46,24 +59,33 @@ def _prompt_batches(tokenizer, start: int, count: int, max_prompt_tokens: int,
     return items
 
 
-def _raw_batches(tokenizer, start: int, count: int, max_tokens: int, split: str = "train",
-                 slice_name: str | None = None,
-                 fmt: Callable[[str], str] = format_prompt) -> list[tuple[str, list[int], int]]:
-    """(id, ids, prompt length) of ``fmt(first human turn) + " " + first answer`` (the
-    conversation's own answer, not the target's), cut to ``max_tokens`` tokens."""
+def _raw_pairs(split: str, turns: str):
+    """(id, human turn, its answer, slice) for raw collection."""
     from dynaspec.training.data import conversation_slice, first_answer, first_human_turn, load_split
 
-    items, k = [], 0
+    if turns != "first":
+        yield from ((i["id"], i["text"], (i["answer"] or "").strip(), i["slice"]) for i in _turn_items(split, turns))
+        return
     for conv in load_split(split):
-        human, reply = (first_human_turn(conv) or "").strip(), (first_answer(conv) or "").strip()
-        if not human or not reply or (slice_name is not None and conversation_slice(conv) != slice_name):
+        yield (conv["id"], (first_human_turn(conv) or "").strip(), (first_answer(conv) or "").strip(),
+               conversation_slice(conv))
+
+
+def _raw_batches(tokenizer, start: int, count: int, max_tokens: int, split: str = "train",
+                 slice_name: str | None = None, fmt: Callable[[str], str] = format_prompt,
+                 turns: str = "first") -> list[tuple[str, list[int], int]]:
+    """(id, ids, prompt length) of ``fmt(human turn) + " " + its answer`` (the conversation's own
+    answer, not the target's), cut to ``max_tokens`` tokens."""
+    items, k = [], 0
+    for conv_id, human, reply, slice_ in _raw_pairs(split, turns):
+        if not human or not reply or (slice_name is not None and slice_ != slice_name):
             continue
         if k >= start + count:
             break
         if k >= start:
             prompt = fmt(human[:1500])
             ids = tokenizer(prompt + " " + reply)["input_ids"][:max_tokens]
-            items.append((conv["id"], ids, min(len(tokenizer(prompt)["input_ids"]), len(ids))))
+            items.append((conv_id, ids, min(len(tokenizer(prompt)["input_ids"]), len(ids))))
         k += 1
     return items
 
@@ -98,10 +120,28 @@ def _generate(target: TargetModel, prompts: list[list[int]], new_tokens: int) ->
     return conts
 
 
+def _check_same_kind(work: Path, kind: dict[str, str]) -> None:
+    """Refuse to add shards of another kind (split, slice, source, turns) to a folder: resuming
+    with other settings would mix two kinds of data under one folder's name."""
+    from safetensors import safe_open
+
+    from dynaspec.training.shards import shard_paths
+
+    defaults = {"split": "train", "slice": "all", "source": "generated", "turns": "first"}  # older shards
+    for path in shard_paths(work)[:1]:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+        have = {key: meta.get(key, defaults[key]) for key in kind}
+        if have != kind:
+            diff = ", ".join(f"{k}={have[k]} (asked: {kind[k]})" for k in kind if have[k] != kind[k])
+            raise ConfigError(f"{work} already holds shards collected with {diff}; collect into another "
+                              "folder (the train stage reads several)")
+
+
 def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 32, batch: int = 16,
             new_tokens: int = 96, max_prompt_tokens: int = 384, worker: int = 0,
             workers: int = 1, split: str = "train", slice_name: str | None = None,
-            source: str = "generated") -> list[Path]:
+            source: str = "generated", turns: str = "first") -> list[Path]:
     """Write shards ``work/shard-NNNNN.safetensors`` covering the first ``prompts`` prompts of
     ``split`` (only those of one slice of it with ``slice_name``).
 
@@ -110,6 +150,9 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
     ``max_prompt_tokens + new_tokens`` tokens, in one prefill pass (no generation); such shards also
     store ``teacher``, the target's greedy next token at every position, since the text's next token
     is not the target's choice.
+
+    ``turns="later"``: the prompts are the second and later human turns of train conversations,
+    each standing alone (:func:`dynaspec.training.data.later_turn_prompts`), instead of the first.
 
     ``workers`` processes can share the work: worker ``w`` makes the shards ``i`` with
     ``i % workers == w``. Under ``torchrun`` each process is one such worker, and all of them
@@ -121,6 +164,7 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
     if world > 1 and workers == 1:
         worker, workers = rank, world
     work.mkdir(parents=True, exist_ok=True)
+    _check_same_kind(work, {"split": split, "slice": slice_name or "all", "source": source, "turns": turns})
     n_shards = math.ceil(prompts / shard_size)
     paths = []
     bar = tqdm(total=n_shards, desc="collect", unit="shard", file=sys.stderr, disable=rank != 0)
@@ -134,12 +178,12 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
         started = time.time()
         if source == "raw":
             raw = _raw_batches(target.tokenizer, index * shard_size, count, max_prompt_tokens + new_tokens,
-                               split, slice_name, fmt=target.format_prompt)
+                               split, slice_name, fmt=target.format_prompt, turns=turns)
             items = [(i, ids) for i, ids, _ in raw]
             seqs, prompt_lens = [ids for _, ids in items], [plen for _, _, plen in raw]
         else:
             items = _prompt_batches(target.tokenizer, index * shard_size, count, max_prompt_tokens, split,
-                                    slice_name, fmt=target.format_prompt)
+                                    slice_name, fmt=target.format_prompt, turns=turns)
             seqs, prompt_lens = [], []
             for b in range(0, len(items), batch):
                 chunk = [ids for _, ids in items[b:b + batch]]
@@ -159,7 +203,7 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
                    "offsets": offsets.to(torch.int64), "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int32),
                    "features": torch.cat(feats).contiguous(), **extra}
         meta = {"ids": json.dumps([i for i, _ in items]), "target": json.dumps(target.fingerprint()),
-                "split": split, "slice": slice_name or "all", "source": source,
+                "split": split, "slice": slice_name or "all", "source": source, "turns": turns,
                 "new_tokens": str(new_tokens), "seconds": f"{time.time() - started:.3f}"}
         atomic_write(path, lambda p, t=tensors, m=meta: save_file(t, str(p), metadata=m))
         bar.update(1)

@@ -40,6 +40,9 @@ __all__ = [
     "load_split",
     "first_human_turn",
     "first_answer",
+    "human_turns",
+    "SELECTION_OFFSET",
+    "later_turn_prompts",
     "slice_of",
     "conversation_slice",
     "dev_protocol_prompts",
@@ -155,6 +158,19 @@ def first_answer(conv: dict[str, Any]) -> str | None:
     return None
 
 
+def human_turns(conv: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """Every human message of the conversation, in order, each with the assistant's reply that
+    follows it (None where no reply comes before the next human message or the end)."""
+    pairs: list[list[Any]] = []
+    for msg in conv.get("conversations", ()):
+        role = msg.get("from")
+        if role in _HUMAN:
+            pairs.append([msg.get("value") or "", None])
+        elif role in _ASSISTANT and pairs and pairs[-1][1] is None:
+            pairs[-1][1] = msg.get("value") or ""
+    return [(human, reply) for human, reply in pairs]
+
+
 # -- slices ----------------------------------------------------------------------------------------
 _FENCE = re.compile(r"```")
 # One line each; a text needs two distinct matching lines (fences aside) to count as code, so a
@@ -241,14 +257,40 @@ def conversation_slice(conv: dict[str, Any]) -> str:
 
 
 # -- prompt sets -----------------------------------------------------------------------------------
-def _prompts(split: str, max_chars: int) -> Iterator[dict[str, Any]]:
+def _first_turns(split: str, max_chars: int) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
     for conv in _conversations():
         if split_of(conv["id"]) != split:
             continue
         text = (first_human_turn(conv) or "").strip()
         if not text:
             continue
-        yield {"id": conv["id"], "text": text[:max_chars], "slice": conversation_slice(conv)}
+        yield conv, {"id": conv["id"], "text": text[:max_chars], "slice": conversation_slice(conv)}
+
+
+def _prompts(split: str, max_chars: int) -> Iterator[dict[str, Any]]:
+    return (item for _, item in _first_turns(split, max_chars))
+
+
+#: Train prompts (first turns) from this index on are where settings are chosen (``dynaspec eval
+#: --split train`` starts there); :func:`later_turn_prompts` stops before their conversations.
+SELECTION_OFFSET = 10000
+
+
+def later_turn_prompts(max_chars: int = 1500) -> Iterator[dict[str, Any]]:
+    """The second and later human turns of train conversations, each standing alone as a prompt,
+    as ``{"id": "<conversation>#<k>", "text", "answer", "slice"}`` (``answer``: the reply that
+    follows it, or None; the slice is judged on that turn and its reply).
+
+    Only conversations among the first :data:`SELECTION_OFFSET` train prompts are read, so the
+    conversations that settings are chosen on never reach training."""
+    for k, (conv, item) in enumerate(_first_turns("train", max_chars)):
+        if k >= SELECTION_OFFSET:
+            return
+        for turn, (human, reply) in enumerate(human_turns(conv)[1:], start=2):
+            text = human.strip()
+            if text:
+                yield {"id": f"{item['id']}#{turn}", "text": text[:max_chars], "answer": reply,
+                       "slice": slice_of(text, reply)}
 
 
 def dev_protocol_prompts(n: int = 40, max_chars: int = 1500) -> list[dict[str, Any]]:

