@@ -49,7 +49,9 @@ def main() -> None:
     parser.add_argument("--extra", nargs="+", action="append", default=[], metavar="LABEL DRAFTER_JSON REPORT",
                         help="a drafter of another recipe: tabled and plotted apart, not fitted")
     parser.add_argument("--stack", default="eagle-chain", help="the evaluated stack's name in the reports")
-    parser.add_argument("--extra-stack", default=None, help="its name in the --extra reports (default: --stack)")
+    parser.add_argument("--extra-stack", action="append", default=[],
+                        help="the stack's name in the --extra reports (default: --stack): once for all of "
+                        "them, or once per --extra, in order")
     parser.add_argument("--goal", type=float, default=2.8, help="the accepted length to extrapolate to")
     parser.add_argument("--out", required=True, help="OUT.md and OUT.png are written")
     args = parser.parse_args()
@@ -58,7 +60,12 @@ def main() -> None:
     points = sorted((_point(p[0], p[1], p[2:], args.stack) for p in args.point), key=lambda p: p["positions"])
     if len(points) < 2:
         parser.error("a curve needs at least two points")
-    extras = [_point(p[0], p[1], p[2:], args.extra_stack or args.stack) for p in args.extra]
+    extra_stacks = args.extra_stack or [args.stack]
+    if len(extra_stacks) == 1:
+        extra_stacks = extra_stacks * len(args.extra)
+    if len(extra_stacks) != len(args.extra):
+        parser.error(f"{len(args.extra_stack)} --extra-stack for {len(args.extra)} --extra: give one, or one each")
+    extras = [_point(p[0], p[1], p[2:], stack) for p, stack in zip(args.extra, extra_stacks)]
     a, b = fit(points)
     need = math.exp((args.goal - a) / b) if b > 0 else float("inf")
     rows = [[p["label"], f"{p['positions']:,}", *(f"{p[s]:.3f}" if s in p else "-" for s in SLICES)]

@@ -13,12 +13,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _report(accepted: list[list[int]], *, exact: bool = True) -> dict:
+def _report(accepted: list[list[int]], *, exact: bool = True, stack: str = "eagle-chain") -> dict:
     rows = [{"slice": "english" if i % 2 else "code", "exact": exact, "accepted": acc, "tps": 10.0,
              "shortlist": 100} for i, acc in enumerate(accepted)]
     base = [dict(r, tps=5.0) for r in rows]
-    return {"protocol": {"prompts": len(rows)}, "rows": {"baseline": base, "eagle-chain": rows},
-            "baselines": {"baseline": "baseline", "eagle-chain": "baseline"}}
+    return {"protocol": {"prompts": len(rows)}, "rows": {"baseline": base, stack: rows},
+            "baselines": {"baseline": "baseline", stack: "baseline"}}
 
 
 def _point(tmp_path: Path, label: str, positions: int, accepted: list[list[int]], **kw) -> list[str]:
@@ -60,3 +60,18 @@ def test_drafter_curve_refuses_inexact_runs_and_single_points(tmp_path, bad):
         args, message = _point(tmp_path, "a", 1000, [[2], [2]]), "at least two points"
     done = _run("--out", str(tmp_path / "curve"), *args)
     assert done.returncode != 0 and message in done.stderr + done.stdout
+
+
+def test_drafter_curve_names_each_extras_stack(tmp_path):
+    args = [*_point(tmp_path, "small", 1000, [[2], [2]]), *_point(tmp_path, "large", 2000, [[3], [3]])]
+    f = _point(tmp_path, "F", 1000, [[4], [4]], stack="chain-F")[1:]
+    g = _point(tmp_path, "G", 1500, [[5], [5]], stack="chain-G")[1:]
+    done = _run("--out", str(tmp_path / "curve"), *args, "--extra", *f, "--extra", *g,
+                "--extra-stack", "chain-F", "--extra-stack", "chain-G")
+    assert done.returncode == 0, done.stderr
+    table = (tmp_path / "curve.md").read_text()
+    assert "| F (another recipe, not fitted) | 1,000 | 4.000 |" in table
+    assert "| G (another recipe, not fitted) | 1,500 | 5.000 |" in table
+    wrong = _run("--out", str(tmp_path / "curve"), *args, "--extra", *f, "--extra", *g,
+                 "--extra-stack", "chain-F", "--extra-stack", "chain-G", "--extra-stack", "x")
+    assert wrong.returncode != 0 and "3 --extra-stack for 2 --extra" in wrong.stderr
