@@ -25,9 +25,11 @@ def register(sub) -> None:
                     help="dev (report figures) or train (tune settings: never tune on dev)")
     ev.add_argument("--slice", choices=["english", "code", "non-english"], default=None,
                     help="only prompts of this slice (the first --prompts of it)")
-    ev.add_argument("--train-offset", type=int, default=10000, metavar="N",
-                    help="with --split train, start at train prompt N (default %(default)s: beyond "
-                    "what train-drafter collects by default, so the drafter never saw them)")
+    ev.add_argument("--train-offset", type=int, default=None, metavar="N",
+                    help="with --split train, start at train prompt N (default: 10000, "
+                    "dynaspec.training.data.SELECTION_OFFSET: beyond what train-drafter collects by "
+                    "default, and --turns later stops before these conversations, so the drafter "
+                    "never saw them)")
     ev.add_argument("--temperature", type=float, default=0.0,
                     help="0 (default) decodes greedily and checks every stack's output against the "
                     "baseline's; above 0 samples (speed and acceptance only)")

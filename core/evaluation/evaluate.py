@@ -16,18 +16,19 @@ from typing import Any, Sequence
 
 from dynaspec.errors import ConfigError
 from dynaspec.runtime.engine import Engine
-from dynaspec.training.data import SLICES, dev_protocol_prompts
+from dynaspec.training.data import SELECTION_OFFSET, SLICES, dev_protocol_prompts
 
 
 def evaluate(stacks: Sequence[str], *, prompts: int = 40, max_new_tokens: int = 64,
              max_chars: int = 1500, overrides: dict[str, Any] | None = None,
              target=None, progress: bool = True, part: tuple[int, int] = (0, 1), split: str = "dev",
-             train_offset: int = 10000, slice_name: str | None = None, temperature: float = 0.0,
+             train_offset: int | None = None, slice_name: str | None = None, temperature: float = 0.0,
              seed: int = 0) -> dict[str, Any]:
     """Run ``baseline`` and ``stacks`` on the dev protocol; return per-stack, per-slice figures.
 
     ``part=(k, n)`` runs only prompts ``k, k+n, k+2n, ...`` (for parallel processes; see
     :func:`merge`). ``split="train"`` takes the same protocol on train prompts ``train_offset``
+    (default :data:`~dynaspec.training.data.SELECTION_OFFSET`)
     onwards instead: the place to tune settings, which must never be tuned on dev.
     ``temperature > 0`` samples (prompt ``i`` with seed ``seed + i`` in every stack); sampled
     outputs are not compared token for token (``exact`` is None), only their speed and acceptance."""
@@ -37,6 +38,8 @@ def evaluate(stacks: Sequence[str], *, prompts: int = 40, max_new_tokens: int = 
 
     from dynaspec.training.data import training_prompts
 
+    if train_offset is None:
+        train_offset = SELECTION_OFFSET
     if split == "dev":
         source = iter(dev_protocol_prompts(1 << 30 if slice_name else prompts, max_chars))
     elif split == "train":
