@@ -106,3 +106,21 @@ def test_cli_refuses_later_turns_on_dev_before_loading_anything(tmp_path, capsys
                  "--turns", "later", "--split", "dev"]) == 2
     assert "train split only" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
+
+
+def test_shard_kind_reads_the_metadata_and_defaults_older_shards(tmp_path, conversations):
+    import torch
+    from safetensors.torch import save_file
+
+    from dynaspec.training.shards import shard_kind
+
+    tgt = tiny_target("llama")
+    (later,) = dc.collect(tgt, tmp_path / "w", prompts=2, shard_size=2, batch=2, new_tokens=2, turns="later",
+                          source="raw")
+    assert shard_kind(later) == {"split": "train", "slice": "all", "source": "raw", "turns": "later"}
+    old = tmp_path / "old" / "shard-00000.safetensors"  # written before shards recorded their kind
+    old.parent.mkdir()
+    save_file({"tokens": torch.zeros(3, dtype=torch.long)}, str(old), metadata={"ids": "[]"})
+    assert shard_kind(old) == {"split": "train", "slice": "all", "source": "generated", "turns": "first"}
+    with pytest.raises(ConfigError, match="turns=first .asked: later."):  # the folder check reads the same defaults
+        dc.collect(tgt, old.parent, prompts=2, shard_size=2, batch=2, new_tokens=2, turns="later")

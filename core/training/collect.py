@@ -123,15 +123,10 @@ def _generate(target: TargetModel, prompts: list[list[int]], new_tokens: int) ->
 def _check_same_kind(work: Path, kind: dict[str, str]) -> None:
     """Refuse to add shards of another kind (split, slice, source, turns) to a folder: resuming
     with other settings would mix two kinds of data under one folder's name."""
-    from safetensors import safe_open
+    from dynaspec.training.shards import shard_kind, shard_paths
 
-    from dynaspec.training.shards import shard_paths
-
-    defaults = {"split": "train", "slice": "all", "source": "generated", "turns": "first"}  # older shards
     for path in shard_paths(work)[:1]:
-        with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
-        have = {key: meta.get(key, defaults[key]) for key in kind}
+        have = {key: shard_kind(path)[key] for key in kind}
         if have != kind:
             diff = ", ".join(f"{k}={have[k]} (asked: {kind[k]})" for k in kind if have[k] != kind[k])
             raise ConfigError(f"{work} already holds shards collected with {diff}; collect into another "

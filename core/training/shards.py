@@ -23,6 +23,20 @@ def shard_paths(work: str | Path) -> list[Path]:
     return sorted(Path(work).glob(f"{SHARD_PREFIX}*.safetensors"))
 
 
+SHARD_KIND_DEFAULTS = {"split": "train", "slice": "all", "source": "generated", "turns": "first"}
+"""What a shard written before a kind key was recorded holds."""
+
+
+def shard_kind(path: Path) -> dict[str, str]:
+    """A shard's kind: the ``split``, ``slice``, ``source`` and ``turns`` it was collected with,
+    read from its metadata (the defaults of :data:`SHARD_KIND_DEFAULTS` for older shards)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        meta = fh.metadata() or {}
+    return {key: meta.get(key, default) for key, default in SHARD_KIND_DEFAULTS.items()}
+
+
 def describe_shards(paths: list[Path]) -> dict[str, Any]:
     """What a list of shards holds, from their metadata; refuses shards of another split than train."""
     from safetensors import safe_open
@@ -34,18 +48,19 @@ def describe_shards(paths: list[Path]) -> dict[str, Any]:
     sliced: dict[tuple[str, str], int] = {}  # shards collected on one slice only
     later: dict[str, int] = {}  # shards of later human turns, per source
     for path in paths:
+        kind = shard_kind(path)
+        if kind["split"] != "train":
+            raise ConfigError(f"{path} holds {kind['split']} prompts: train only on train shards")
         with safe_open(str(path), framework="pt") as fh:
             meta = fh.metadata() or {}
-        if meta.get("split", "train") != "train":
-            raise ConfigError(f"{path} holds {meta['split']} prompts: train only on train shards")
         if "seconds" in meta:
             seconds, timed = seconds + float(meta["seconds"]), timed + 1
-        source = meta.get("source", "generated")
+        source = kind["source"]
         sources[source] = sources.get(source, 0) + 1
-        if meta.get("turns", "first") != "first":
+        if kind["turns"] != "first":
             later[source] = later.get(source, 0) + 1
-        if meta.get("slice", "all") != "all":
-            key = (source, meta["slice"])
+        if kind["slice"] != "all":
+            key = (source, kind["slice"])
             sliced[key] = sliced.get(key, 0) + 1
 
     parts = []
