@@ -94,6 +94,12 @@ def test_resumed_training_records_the_shards_it_ended_with_and_all_its_time(tmp_
     assert "1 shards of raw conversations" in training["data"]
     assert "1 of the raw shards hold only non-english conversations" in training["data"]
     assert training["train_seconds"] >= earlier + training["train_seconds_this_run"] - 0.1
+    (one,) = training["shard_sets"]  # one folder, holding two kinds of shards (a folder from before the check)
+    assert one["folder"] == "work" and one["shards"] == 3 and one["conversations"] == 5
+    assert one["kind"] == [{"split": "train", "slice": "all", "source": "generated", "turns": "first"},
+                           {"split": "train", "slice": "non-english", "source": "raw", "turns": "first"}]
+    assert one["new_tokens"] == [4, 6] and one["timed_shards"] == 3 and one["collect_seconds"] > 0
+    assert one["positions"] == training["positions_at_end"] == dt.positions(dt.shard_paths(work)[:3])
     # a dev shard in the folder stops a resumed run instead of training on it
     dev = dc.collect(target, tmp_path / "dev", prompts=2, shard_size=2, batch=2, new_tokens=4, split="dev")
     dev[0].rename(work / "shard-02000.safetensors")
@@ -177,6 +183,12 @@ def test_train_drafter_cli_records_its_data_and_refuses_dev_shards(tmp_path, fak
     assert main(both) == 0
     training = json.loads((tmp_path / "two" / "drafter.json").read_text())["training"]
     assert training["shards_at_end"] == 3 and training["work"] == ["w", "more"]
+    sets = training["shard_sets"]  # one record per folder, in the order given
+    assert [(one["folder"], one["shards"], one["conversations"], one["new_tokens"]) for one in sets] == \
+        [("w", 2, 4, 6), ("more", 1, 2, 6)]
+    assert all(one["kind"] == {"split": "train", "slice": "all", "source": "generated", "turns": "first"}
+               for one in sets)
+    assert sum(one["positions"] for one in sets) == training["positions_at_end"] > 0
     state = json.loads((tmp_path / "w" / "ckpt-two" / "checkpoint.json").read_text())
     assert "../more/shard-00000.safetensors" in state["shards"]
     assert main([*args[:4], "collect", "--work", str(tmp_path / "w"), str(tmp_path / "more"), "--out",

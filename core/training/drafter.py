@@ -30,7 +30,14 @@ from dynaspec.runtime.drafter import Drafter, DrafterConfig
 from dynaspec.runtime.files import atomic_write
 from dynaspec.runtime.target import TargetModel
 from dynaspec.training import distributed
-from dynaspec.training.shards import describe_shards, layer_inputs_path, load_shard, positions, shard_paths
+from dynaspec.training.shards import (
+    describe_shard_set,
+    describe_shards,
+    layer_inputs_path,
+    load_shard,
+    positions,
+    shard_paths,
+)
 
 
 def _windows(shard: dict[str, torch.Tensor], window: int) -> list[tuple[int, int]]:
@@ -295,6 +302,7 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
     drafter.eval()
     used = shard_list()
     described = describe_shards(used)
+    shard_sets = [describe_shard_set([p for p in used if p.parent == folder]) for folder in folders]
     drafter.meta = {
         "target": target.fingerprint(),
         "training": {**(provenance or {}), "data": described["data"], "shard_sources": described["sources"],
@@ -302,7 +310,7 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
                      "feature_layers": list(config.feature_layers or ()) or None,
                      "lr": lr, "window": window, "batch_positions": batch_positions, "unroll": unroll,
                      "frequent": frequent, "noise": noise, "shards_at_end": len(used),
-                     "positions_at_end": positions(used),
+                     "positions_at_end": sum(one["positions"] for one in shard_sets), "shard_sets": shard_sets,
                      "train_seconds_this_run": round(time.time() - start, 1),
                      "train_seconds": round(earlier_seconds + time.time() - start, 1),
                      "positions_seen_this_run": seen_positions},

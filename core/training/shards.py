@@ -6,6 +6,7 @@ training."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -27,20 +28,43 @@ SHARD_KIND_DEFAULTS = {"split": "train", "slice": "all", "source": "generated", 
 """What a shard written before a kind key was recorded holds."""
 
 
-def shard_kind(path: Path) -> dict[str, str]:
-    """A shard's kind: the ``split``, ``slice``, ``source`` and ``turns`` it was collected with,
-    read from its metadata (the defaults of :data:`SHARD_KIND_DEFAULTS` for older shards)."""
+def shard_metadata(path: Path) -> dict[str, str]:
+    """A shard's metadata (what collection recorded), without reading its tensors."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as fh:
-        meta = fh.metadata() or {}
+        return fh.metadata() or {}
+
+
+def _kind(meta: dict[str, str]) -> dict[str, str]:
     return {key: meta.get(key, default) for key, default in SHARD_KIND_DEFAULTS.items()}
+
+
+def shard_kind(path: Path) -> dict[str, str]:
+    """A shard's kind: the ``split``, ``slice``, ``source`` and ``turns`` it was collected with,
+    read from its metadata (the defaults of :data:`SHARD_KIND_DEFAULTS` for older shards)."""
+    return _kind(shard_metadata(path))
+
+
+def describe_shard_set(paths: list[Path]) -> dict[str, Any]:
+    """One folder's shards as a training record: its name, kind (one, or the list of kinds where a
+    folder predating the kind check mixes them), shards, conversations, positions, the new tokens
+    a prompt was collected with and the collection time its shards record."""
+    metas = [shard_metadata(p) for p in paths]
+    kinds = [dict(t) for t in dict.fromkeys(tuple(_kind(m).items()) for m in metas)]
+    new_tokens = sorted({int(m["new_tokens"]) for m in metas if "new_tokens" in m})
+    timed = [float(m["seconds"]) for m in metas if "seconds" in m]
+    return {"folder": paths[0].parent.name if paths else None,
+            "kind": kinds[0] if len(kinds) == 1 else kinds,
+            "shards": len(paths),
+            "conversations": sum(len(json.loads(m.get("ids", "[]"))) for m in metas),
+            "positions": positions(paths),
+            "new_tokens": new_tokens[0] if len(new_tokens) == 1 else new_tokens,
+            "collect_seconds": round(sum(timed), 1), "timed_shards": len(timed)}
 
 
 def describe_shards(paths: list[Path]) -> dict[str, Any]:
     """What a list of shards holds, from their metadata; refuses shards of another split than train."""
-    from safetensors import safe_open
-
     from dynaspec.errors import ConfigError
 
     sources: dict[str, int] = {}
@@ -48,11 +72,10 @@ def describe_shards(paths: list[Path]) -> dict[str, Any]:
     sliced: dict[tuple[str, str], int] = {}  # shards collected on one slice only
     later: dict[str, int] = {}  # shards of later human turns, per source
     for path in paths:
-        kind = shard_kind(path)
+        meta = shard_metadata(path)
+        kind = _kind(meta)
         if kind["split"] != "train":
             raise ConfigError(f"{path} holds {kind['split']} prompts: train only on train shards")
-        with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
         if "seconds" in meta:
             seconds, timed = seconds + float(meta["seconds"]), timed + 1
         source = kind["source"]
