@@ -79,7 +79,7 @@ def main() -> None:
     out = Path(args.out)
     out.with_suffix(".md").write_text(text)
     with figure(out.with_suffix(".png"), xlabel="training positions", ylabel="dev accepted length (chain of 5)",
-                xlog=True, grid=True, legend=True) as ax:
+                xlog=True, grid=True, size=(7, 4.5)) as ax:
         xs = [p["positions"] for p in points]
         ax.plot(xs, [p["overall"] for p in points], "o-", label="dev, overall")
         if all("code" in p for p in points):
@@ -89,9 +89,10 @@ def main() -> None:
         ax.axhline(args.goal, color="red", alpha=0.4, label=f"goal {args.goal}")
         for p in extras:
             ax.plot([p["positions"]], [p["overall"]], "*", markersize=12, label=f"{p['label']}, overall")
-        for p in points + extras:
+        for p in points:  # the other recipes are named in the legend
             ax.annotate(p["label"], (p["positions"], p["overall"]), textcoords="offset points", xytext=(4, -10),
                         fontsize=7)
+        ax.legend(loc="lower right", fontsize=7)
     print(text)
 
 
