@@ -14,6 +14,7 @@ from dynaspec.runtime.drafter import Drafter
 from dynaspec.runtime.targets import load_drafter
 from dynaspec.training import collect as dc
 from dynaspec.training import drafter as dt
+from dynaspec.training.shards import shard_metadata
 
 TEXTS = ["Hello there, how are you?", "Write a poem about the sea.", "def f(x): return x * 2",
          "Bonjour, comment allez-vous ?", "Explain gravity simply.", "List three colours."]
@@ -96,9 +97,11 @@ def test_resumed_training_records_the_shards_it_ended_with_and_all_its_time(tmp_
     assert training["train_seconds"] >= earlier + training["train_seconds_this_run"] - 0.1
     (one,) = training["shard_sets"]  # one folder, holding two kinds of shards (a folder from before the check)
     assert one["folder"] == "work" and one["shards"] == 3 and one["conversations"] == 5
-    assert one["kind"] == [{"split": "train", "slice": "all", "source": "generated", "turns": "first"},
-                           {"split": "train", "slice": "non-english", "source": "raw", "turns": "first"}]
-    assert one["new_tokens"] == [4, 6] and one["timed_shards"] == 3 and one["collect_seconds"] > 0
+    greedy = {"turns": "first", "sampling": "greedy"}
+    assert one["kind"] == [{"split": "train", "slice": "all", "source": "generated", **greedy},
+                           {"split": "train", "slice": "non-english", "source": "raw", **greedy}]
+    recorded = [float(shard_metadata(p)["seconds"]) for p in dt.shard_paths(work)[:3]]
+    assert one["new_tokens"] == [4, 6] and one["timed_shards"] == 3 and one["collect_seconds"] == round(sum(recorded), 1)
     assert one["positions"] == training["positions_at_end"] == dt.positions(dt.shard_paths(work)[:3])
     # a dev shard in the folder stops a resumed run instead of training on it
     dev = dc.collect(target, tmp_path / "dev", prompts=2, shard_size=2, batch=2, new_tokens=4, split="dev")
@@ -186,7 +189,8 @@ def test_train_drafter_cli_records_its_data_and_refuses_dev_shards(tmp_path, fak
     sets = training["shard_sets"]  # one record per folder, in the order given
     assert [(one["folder"], one["shards"], one["conversations"], one["new_tokens"]) for one in sets] == \
         [("w", 2, 4, 6), ("more", 1, 2, 6)]
-    assert all(one["kind"] == {"split": "train", "slice": "all", "source": "generated", "turns": "first"}
+    assert all(one["kind"] == {"split": "train", "slice": "all", "source": "generated", "turns": "first",
+                               "sampling": "greedy"}
                for one in sets)
     assert sum(one["positions"] for one in sets) == training["positions_at_end"] > 0
     state = json.loads((tmp_path / "w" / "ckpt-two" / "checkpoint.json").read_text())

@@ -117,10 +117,11 @@ def test_shard_kind_reads_the_metadata_and_defaults_older_shards(tmp_path, conve
     tgt = tiny_target("llama")
     (later,) = dc.collect(tgt, tmp_path / "w", prompts=2, shard_size=2, batch=2, new_tokens=2, turns="later",
                           source="raw")
-    assert shard_kind(later) == {"split": "train", "slice": "all", "source": "raw", "turns": "later"}
+    assert shard_kind(later) == {"split": "train", "slice": "all", "source": "raw", "turns": "later", "sampling": "greedy"}
     old = tmp_path / "old" / "shard-00000.safetensors"  # written before shards recorded their kind
     old.parent.mkdir()
     save_file({"tokens": torch.zeros(3, dtype=torch.long)}, str(old), metadata={"ids": "[]"})
-    assert shard_kind(old) == {"split": "train", "slice": "all", "source": "generated", "turns": "first"}
+    assert shard_kind(old) == {"split": "train", "slice": "all", "source": "generated", "turns": "first",
+                              "sampling": "greedy"}
     with pytest.raises(ConfigError, match="turns=first .asked: later."):  # the folder check reads the same defaults
         dc.collect(tgt, old.parent, prompts=2, shard_size=2, batch=2, new_tokens=2, turns="later")

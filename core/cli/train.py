@@ -73,6 +73,11 @@ def register(sub) -> None:
                     "prompt); later: its second and later human turns, each standing alone as a prompt "
                     "(more text of every slice, non-English above all; train split only, and never the "
                     "conversations that 'dynaspec eval --split train' chooses settings on)")
+    tr.add_argument("--temperature", type=float, default=0.0,
+                    help="with --source generated: sample the continuations at this temperature instead of "
+                    "greedy (0), storing the target's greedy next token as the teacher; more text from the "
+                    "same prompts, one folder per --seed")
+    tr.add_argument("--seed", type=int, default=0, help="seed of sampled continuations (with --temperature)")
     tr.add_argument("--worker", type=int, default=0, help="this process's index among --workers")
     tr.add_argument("--workers", type=int, default=1, help="collection processes sharing the shards")
     tr.add_argument("--epochs", type=int, default=2)
@@ -161,6 +166,9 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         raise ConfigError("--stage collect writes one --work folder; give one")
     if args.stage in ("collect", "all") and args.turns == "later" and args.split != "train":
         raise ConfigError("--turns later collects on the train split only")
+    if args.stage in ("collect", "all") and (args.temperature < 0 or (args.temperature > 0 and args.source != "generated")):
+        raise ConfigError("--temperature samples generated continuations: give --source generated and a "
+                          "temperature above 0 (0 is greedy)")
     target = load_target(args.target)
     work = Path(args.work[0])
     started = time.time()
@@ -168,7 +176,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         collect(target, work, prompts=args.prompts, shard_size=args.shard_size, batch=args.batch,
                    new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                    worker=args.worker, workers=args.workers, split=args.split, slice_name=args.slice,
-                   source=args.source, turns=args.turns)
+                   source=args.source, turns=args.turns, temperature=args.temperature, seed=args.seed)
     if args.stage in ("train", "all"):
         if not args.out:
             raise ConfigError("--out is required to train")

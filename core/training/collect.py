@@ -97,8 +97,11 @@ def _teacher(target: TargetModel, feats: torch.Tensor, chunk: int = 256) -> torc
 
 
 @torch.inference_mode()
-def _generate(target: TargetModel, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Greedy continuations of a batch of prompts (left-padded), cut at EOS."""
+def _generate(target: TargetModel, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0,
+              seed: int = 0) -> list[list[int]]:
+    """Greedy continuations of a batch of prompts (left-padded), cut at EOS; with ``temperature``
+    above 0, continuations sampled from the target's full distribution at that temperature (no top-k
+    or top-p), reproducibly from ``seed``."""
     width = max(len(p) for p in prompts)
     pad = 0
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -106,8 +109,12 @@ def _generate(target: TargetModel, prompts: list[list[int]], new_tokens: int) ->
     for row, p in enumerate(prompts):
         ids[row, width - len(p):] = torch.tensor(p)
         mask[row, width - len(p):] = 1
-    out = target.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                do_sample=False, pad_token_id=pad)
+    sampling = {"do_sample": False} if temperature <= 0 else \
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    with torch.random.fork_rng():  # the caller's random state is left as it was
+        torch.manual_seed(seed)
+        out = target.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                    pad_token_id=pad, **sampling)
     eos = set(target.eos_token_ids)
     conts = []
     for row in range(len(prompts)):
@@ -136,7 +143,8 @@ def _check_same_kind(work: Path, kind: dict[str, str]) -> None:
 def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 32, batch: int = 16,
             new_tokens: int = 96, max_prompt_tokens: int = 384, worker: int = 0,
             workers: int = 1, split: str = "train", slice_name: str | None = None,
-            source: str = "generated", turns: str = "first") -> list[Path]:
+            source: str = "generated", turns: str = "first", temperature: float = 0.0,
+            seed: int = 0) -> list[Path]:
     """Write shards ``work/shard-NNNNN.safetensors`` covering the first ``prompts`` prompts of
     ``split`` (only those of one slice of it with ``slice_name``).
 
@@ -149,6 +157,11 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
     ``turns="later"``: the prompts are the second and later human turns of train conversations,
     each standing alone (:func:`dynaspec.training.data.later_turn_prompts`), instead of the first.
 
+    ``temperature`` above 0 (``source="generated"`` only): the continuations are sampled at that
+    temperature instead of greedy, a new set of them for each ``seed``; such shards store
+    ``teacher`` too, since a sampled token is not always the target's greedy choice. Several seeds
+    give several continuations of the same prompts, one folder each.
+
     ``workers`` processes can share the work: worker ``w`` makes the shards ``i`` with
     ``i % workers == w``. Under ``torchrun`` each process is one such worker, and all of them
     return once every shard is written."""
@@ -158,8 +171,13 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
     rank, world = distributed.join()
     if world > 1 and workers == 1:
         worker, workers = rank, world
+    if temperature < 0 or (temperature > 0 and source != "generated"):
+        raise ConfigError(f"temperature {temperature}: sampled continuations need --source generated and a "
+                          "temperature above 0 (0 is greedy)")
     work.mkdir(parents=True, exist_ok=True)
-    _check_same_kind(work, {"split": split, "slice": slice_name or "all", "source": source, "turns": turns})
+    sampling = "greedy" if temperature == 0 else f"temperature {temperature:g}, seed {seed}"
+    _check_same_kind(work, {"split": split, "slice": slice_name or "all", "source": source, "turns": turns,
+                            "sampling": sampling})
     n_shards = math.ceil(prompts / shard_size)
     paths = []
     bar = tqdm(total=n_shards, desc="collect", unit="shard", file=sys.stderr, disable=rank != 0)
@@ -182,7 +200,8 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
             seqs, prompt_lens = [], []
             for b in range(0, len(items), batch):
                 chunk = [ids for _, ids in items[b:b + batch]]
-                for ids, cont in zip(chunk, _generate(target, chunk, new_tokens)):
+                draw_seed = (seed * 1_000_003 + index) * 1_000 + b  # per shard and batch: resumable
+                for ids, cont in zip(chunk, _generate(target, chunk, new_tokens, temperature, draw_seed)):
                     seqs.append(ids + cont)
                     prompt_lens.append(len(ids))
         if not items:
@@ -190,7 +209,7 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
             break  # the split (or slice) has fewer prompts than asked for
         feats = [target.forward(torch.tensor(s), torch.arange(len(s)), target.new_cache()) for s in seqs]
         extra = {}
-        if source == "raw":
+        if source == "raw" or temperature > 0:
             extra["teacher"] = torch.cat([_teacher(target, f) for f in feats]).to(torch.int32)
         feats = [f.to(torch.bfloat16) for f in feats]
         offsets = torch.tensor([0] + [len(s) for s in seqs]).cumsum(0)
@@ -198,7 +217,7 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
                    "offsets": offsets.to(torch.int64), "prompt_lens": torch.tensor(prompt_lens, dtype=torch.int32),
                    "features": torch.cat(feats).contiguous(), **extra}
         meta = {"ids": json.dumps([i for i, _ in items]), "target": json.dumps(target.fingerprint()),
-                "split": split, "slice": slice_name or "all", "source": source, "turns": turns,
+                "split": split, "slice": slice_name or "all", "source": source, "turns": turns, "sampling": sampling,
                 "new_tokens": str(new_tokens), "seconds": f"{time.time() - started:.3f}"}
         atomic_write(path, lambda p, t=tensors, m=meta: save_file(t, str(p), metadata=m))
         bar.update(1)

@@ -24,7 +24,8 @@ def shard_paths(work: str | Path) -> list[Path]:
     return sorted(Path(work).glob(f"{SHARD_PREFIX}*.safetensors"))
 
 
-SHARD_KIND_DEFAULTS = {"split": "train", "slice": "all", "source": "generated", "turns": "first"}
+SHARD_KIND_DEFAULTS = {"split": "train", "slice": "all", "source": "generated", "turns": "first",
+                       "sampling": "greedy"}
 """What a shard written before a kind key was recorded holds."""
 
 
@@ -41,7 +42,8 @@ def _kind(meta: dict[str, str]) -> dict[str, str]:
 
 
 def shard_kind(path: Path) -> dict[str, str]:
-    """A shard's kind: the ``split``, ``slice``, ``source`` and ``turns`` it was collected with,
+    """A shard's kind: the ``split``, ``slice``, ``source``, ``turns`` and ``sampling`` (``greedy``,
+    or the temperature and seed of sampled continuations) it was collected with,
     read from its metadata (the defaults of :data:`SHARD_KIND_DEFAULTS` for older shards)."""
     return _kind(shard_metadata(path))
 
@@ -71,6 +73,7 @@ def describe_shards(paths: list[Path]) -> dict[str, Any]:
     seconds, timed = 0.0, 0  # collection time, where the shard records it (since 2026-12)
     sliced: dict[tuple[str, str], int] = {}  # shards collected on one slice only
     later: dict[str, int] = {}  # shards of later human turns, per source
+    sampled = 0  # generated shards whose continuations were sampled
     for path in paths:
         meta = shard_metadata(path)
         kind = _kind(meta)
@@ -80,6 +83,7 @@ def describe_shards(paths: list[Path]) -> dict[str, Any]:
             seconds, timed = seconds + float(meta["seconds"]), timed + 1
         source = kind["source"]
         sources[source] = sources.get(source, 0) + 1
+        sampled += kind["sampling"] != "greedy"
         if kind["turns"] != "first":
             later[source] = later.get(source, 0) + 1
         if kind["slice"] != "all":
@@ -90,7 +94,9 @@ def describe_shards(paths: list[Path]) -> dict[str, Any]:
     if sources.get("generated"):
         what = "first human turns" if not later.get("generated") else \
             f"human turns ({later['generated']} of them later turns standing alone)"
-        parts.append(f"{sources['generated']} shards of {what} + the target's greedy continuations")
+        how = "greedy continuations" if not sampled else f"continuations ({sampled} of them sampled, with the " \
+            "target's greedy next token stored)"
+        parts.append(f"{sources['generated']} shards of {what} + the target's {how}")
     if sources.get("raw"):
         what = "first human turn + first answer" if not later.get("raw") else \
             f"a human turn + its answer; {later['raw']} of them later turns standing alone"
