@@ -223,3 +223,34 @@ def test_collection_writes_the_targets_own_prompt_format(tmp_path, monkeypatch):
     assert target.tokenizer.decode(ids[:prompt_len], skip_special_tokens=True) == "Q> Hi there <A"
     shard = dt.load_shard(shards[0])
     assert shard["tokens"].tolist() == ids and shard["prompt_lens"].tolist() == [prompt_len]
+
+
+def test_training_can_start_from_a_drafter_and_keeps_its_record(tmp_path, fake_prompts):
+    from dynaspec.cli import main
+    from dynaspec.errors import ConfigError
+
+    target = tiny_target("llama")
+    work = tmp_path / "w"
+    dc.collect(target, work, prompts=4, shard_size=2, batch=2, new_tokens=6)
+    kwargs = dict(window=16, batch_positions=32, unroll=2, frequent=16)
+    first = dt.train(target, work, tmp_path / "a", steps=2, feature_layers=[0], **kwargs)
+    start = load_drafter(str(tmp_path / "a"), target)
+    still = dt.train(target, work, tmp_path / "b", steps=2, lr=0.0, init=start, **kwargs)  # lr 0: nothing moves
+    assert still.cfg == first.cfg and still.cfg.feature_layers == first.cfg.feature_layers
+    for name, value in start.state_dict().items():
+        assert torch.equal(still.state_dict()[name], value.float()), name
+    fresh = dt.train(target, work, tmp_path / "c", steps=2, lr=0.0, feature_layers=[0], **kwargs)
+    assert any(not torch.equal(fresh.state_dict()[k], v.float()) for k, v in start.state_dict().items())
+    with pytest.raises(ConfigError, match="feature layers .1. differ from the starting drafter's .0."):
+        dt.train(target, work, tmp_path / "d", steps=2, init=start, feature_layers=[1], **kwargs)
+    with pytest.raises(ConfigError, match="width 48 differs"):
+        dt.train(target, work, tmp_path / "d", steps=2, init=start, intermediate_size=48, **kwargs)
+
+    args = ["train-drafter", "--target", "tiny-llama", "--stage", "train", "--work", str(work), "--steps", "2",
+            "--batch-positions", "32", "--window", "16"]
+    assert main([*args, "--out", str(tmp_path / "e"), "--init", str(tmp_path / "a")]) == 0
+    training = json.loads((tmp_path / "e" / "drafter.json").read_text())["training"]
+    assert training["init"]["drafter"] == "a" and training["init"]["training"]["steps"] == 2
+    assert training["init"]["training"]["feature_layers"] == list(first.cfg.feature_layers)
+    assert main([*args, "--out", str(tmp_path / "x"), "--init", "nowhere"]) == 2  # no such drafter
+    assert not (tmp_path / "x").exists()

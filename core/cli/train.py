@@ -95,6 +95,10 @@ def register(sub) -> None:
                     "per shard into layers-A-B/ beside the shards")
     tr.add_argument("--drafter-width", type=positive_int, default=None,
                     help="width of the drafter's MLP (default: the target's intermediate size)")
+    tr.add_argument("--init", metavar="DRAFTER", default=None,
+                    help="start from this drafter's weights (a folder, or a built-in name such as "
+                    "gemma3-270m) instead of random ones: more training on more data; its architecture "
+                    "is kept, and its own training record is kept in the new drafter's")
 
     bf = command(sub, cmd_build_frequency, "build-frequency", target=True,
         help="count token frequencies for the static `frequency` shortlister")
@@ -181,10 +185,18 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         if not args.out:
             raise ConfigError("--out is required to train")
         provenance = {"command": command_line(), "target": args.target, "work": [Path(w).name for w in args.work]}
+        init = None
+        if args.init:
+            from dynaspec.runtime.targets import load_drafter
+
+            init = load_drafter(args.init, target)
+            if "training" not in init.meta:
+                raise ConfigError(f"--init {args.init}: not a drafter that dynaspec trained (no training record)")
+            provenance["init"] = {"drafter": Path(args.init).name, "training": init.meta.get("training")}
         dt.train(target, [Path(w) for w in args.work], Path(args.out), epochs=args.epochs, steps=args.steps, lr=args.lr,
                  window=args.window, batch_positions=args.batch_positions, unroll=args.unroll,
                  max_shards=args.max_shards, provenance=provenance, intermediate_size=args.drafter_width,
-                 feature_layers=args.feature_layers)
+                 feature_layers=args.feature_layers, init=init)
     print(f"done in {time.time() - started:.0f} s", file=sys.stderr)
     return 0
 

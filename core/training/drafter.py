@@ -26,6 +26,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from dynaspec.errors import ConfigError
 from dynaspec.runtime.drafter import Drafter, DrafterConfig
 from dynaspec.runtime.files import atomic_write
 from dynaspec.runtime.target import TargetModel
@@ -200,7 +201,8 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
           lr: float = 1e-3, window: int = 256, batch_positions: int = 2048, unroll: int = 2,
           frequent: int = 2048, noise: float = 0.1, max_shards: int | None = None, seed: int = 0,
           checkpoint_every: int = 100, provenance: dict[str, Any] | None = None,
-          intermediate_size: int | None = None, feature_layers: Sequence[int] | None = None) -> Drafter:
+          intermediate_size: int | None = None, feature_layers: Sequence[int] | None = None,
+          init: Drafter | None = None) -> Drafter:
     """Train a drafter on the collected shards of ``work`` (one folder, or several: say an English
     and code collection and a non-English one); write it to ``out``.
 
@@ -210,6 +212,8 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
     ``intermediate_size`` sets the width of the drafter's MLP (default: the target's).
     ``feature_layers`` (EAGLE-3-style fused features): target layers whose inputs the drafter reads
     beside the final hidden state, computed once per shard into ``layers-A-B/`` beside it.
+    ``init``: start from this drafter's weights instead of random ones (more training on more
+    data); its architecture is kept, and a width or feature layers that differ from it are refused.
     """
     from tqdm import tqdm
 
@@ -231,11 +235,24 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
     count = len(target.decoder.layers)
     if any(not 0 <= i < count for i in lower):
         raise ValueError(f"feature layers {list(lower)} must lie in 0..{count - 1}: the target has {count} layers")
+    if init is not None:
+        config = init.cfg
+        kept = tuple(config.feature_layers[:-1]) if config.feature_layers else ()
+        if feature_layers is not None and lower != kept:
+            raise ConfigError(f"feature layers {list(lower)} differ from the starting drafter's {list(kept)}: "
+                              "leave them out to keep its own")
+        if intermediate_size is not None and intermediate_size != config.intermediate_size:
+            raise ConfigError(f"width {intermediate_size} differs from the starting drafter's "
+                              f"{config.intermediate_size}: leave it out to keep its own")
+        lower = kept
+    else:
+        config = DrafterConfig.like_target(target.model, intermediate_size=intermediate_size)
+        if lower:
+            config = attrs.evolve(config, feature_layers=(*lower, count))  # the final state last
     _layer_inputs(target, paths, lower)
-    config = DrafterConfig.like_target(target.model, intermediate_size=intermediate_size)
-    if lower:
-        config = attrs.evolve(config, feature_layers=(*lower, count))  # the final state last
     drafter = Drafter(config).float()
+    if init is not None:
+        drafter.load_state_dict({k: v.float() for k, v in init.state_dict().items()})
     head = target.lm_head_weight.detach()
     freq = _frequent_tokens(paths, frequent)
     total_steps = steps or epochs * max(1, positions(paths) // batch_positions)
