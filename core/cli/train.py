@@ -164,15 +164,14 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     (resumable from checkpoints in --work) and writes it atomically to --out."""
     from dynaspec.runtime.targets import load_target
     from dynaspec.training import drafter as dt
-    from dynaspec.training.collect import collect
+    from dynaspec.training.collect import collect, sampling_kind
 
     if args.stage in ("collect", "all") and len(args.work) > 1:
         raise ConfigError("--stage collect writes one --work folder; give one")
     if args.stage in ("collect", "all") and args.turns == "later" and args.split != "train":
         raise ConfigError("--turns later collects on the train split only")
-    if args.stage in ("collect", "all") and (args.temperature < 0 or (args.temperature > 0 and args.source != "generated")):
-        raise ConfigError("--temperature samples generated continuations: give --source generated and a "
-                          "temperature above 0 (0 is greedy)")
+    if args.stage in ("collect", "all"):
+        sampling_kind(args.temperature, args.source)  # refused before the target loads
     target = load_target(args.target)
     work = Path(args.work[0])
     started = time.time()

@@ -127,13 +127,23 @@ def _generate(target: TargetModel, prompts: list[list[int]], new_tokens: int, te
     return conts
 
 
+def sampling_kind(temperature: float, source: str) -> str:
+    """What shards record as their ``sampling``: ``greedy`` at temperature 0, else the temperature
+    and seed; refuses a negative temperature, and sampling for anything but generated text."""
+    if temperature < 0 or (temperature > 0 and source != "generated"):
+        raise ConfigError(f"temperature {temperature:g}: sampled continuations need --source generated and a "
+                          "temperature above 0 (0 is greedy)")
+    return "greedy" if temperature == 0 else f"temperature {temperature:g}"
+
+
 def _check_same_kind(work: Path, kind: dict[str, str]) -> None:
-    """Refuse to add shards of another kind (split, slice, source, turns) to a folder: resuming
-    with other settings would mix two kinds of data under one folder's name."""
+    """Refuse to add shards of another kind (split, slice, source, turns, sampling) to a folder:
+    resuming with other settings would mix two kinds of data under one folder's name."""
     from dynaspec.training.shards import shard_kind, shard_paths
 
     for path in shard_paths(work)[:1]:
-        have = {key: shard_kind(path)[key] for key in kind}
+        recorded = shard_kind(path)
+        have = {key: recorded[key] for key in kind}
         if have != kind:
             diff = ", ".join(f"{k}={have[k]} (asked: {kind[k]})" for k in kind if have[k] != kind[k])
             raise ConfigError(f"{work} already holds shards collected with {diff}; collect into another "
@@ -171,11 +181,10 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
     rank, world = distributed.join()
     if world > 1 and workers == 1:
         worker, workers = rank, world
-    if temperature < 0 or (temperature > 0 and source != "generated"):
-        raise ConfigError(f"temperature {temperature}: sampled continuations need --source generated and a "
-                          "temperature above 0 (0 is greedy)")
+    sampling = sampling_kind(temperature, source)
+    if temperature > 0:
+        sampling += f", seed {seed}"
     work.mkdir(parents=True, exist_ok=True)
-    sampling = "greedy" if temperature == 0 else f"temperature {temperature:g}, seed {seed}"
     _check_same_kind(work, {"split": split, "slice": slice_name or "all", "source": source, "turns": turns,
                             "sampling": sampling})
     n_shards = math.ceil(prompts / shard_size)
