@@ -3,6 +3,7 @@ processes splitting each batch train the same weights as one process on the whol
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -51,6 +52,8 @@ def test_two_processes_train_the_drafter_of_one(shards):
     _run([*common, "--out", "one"], 1, shards)
     _run([*common, "--out", "two"], 2, shards)
     assert (shards / "two" / "drafter.safetensors").exists()  # written once, by rank 0
+    processes = [json.loads((shards / out / "drafter.json").read_text())["training"]["processes"] for out in ("one", "two")]
+    assert processes == [1, 2]  # the record says how the run was split
     # the float32 checkpoints of the last step: equal up to the order of the gradient sums
     one = _weights(shards / "work" / "ckpt-one", "checkpoint.safetensors")
     two = _weights(shards / "work" / "ckpt-two", "checkpoint.safetensors")

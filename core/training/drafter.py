@@ -330,7 +330,8 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
                      "positions_at_end": sum(one["positions"] for one in shard_sets), "shard_sets": shard_sets,
                      "train_seconds_this_run": round(time.time() - start, 1),
                      "train_seconds": round(earlier_seconds + time.time() - start, 1),
-                     "positions_seen_this_run": seen_positions},
+                     "positions_seen_this_run": seen_positions,
+                     "processes": world},  # under torchrun each took a share of every batch
     }
     if rank == 0:
         drafter.save(out)
