@@ -127,13 +127,13 @@ def _generate(target: TargetModel, prompts: list[list[int]], new_tokens: int, te
     return conts
 
 
-def sampling_kind(temperature: float, source: str) -> str:
+def sampling_kind(temperature: float, source: str, seed: int = 0) -> str:
     """What shards record as their ``sampling``: ``greedy`` at temperature 0, else the temperature
     and seed; refuses a negative temperature, and sampling for anything but generated text."""
     if temperature < 0 or (temperature > 0 and source != "generated"):
         raise ConfigError(f"temperature {temperature:g}: sampled continuations need --source generated and a "
                           "temperature above 0 (0 is greedy)")
-    return "greedy" if temperature == 0 else f"temperature {temperature:g}"
+    return "greedy" if temperature == 0 else f"temperature {temperature:g}, seed {seed}"
 
 
 def _check_same_kind(work: Path, kind: dict[str, str]) -> None:
@@ -181,9 +181,7 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
     rank, world = distributed.join()
     if world > 1 and workers == 1:
         worker, workers = rank, world
-    sampling = sampling_kind(temperature, source)
-    if temperature > 0:
-        sampling += f", seed {seed}"
+    sampling = sampling_kind(temperature, source, seed)
     work.mkdir(parents=True, exist_ok=True)
     _check_same_kind(work, {"split": split, "slice": slice_name or "all", "source": source, "turns": turns,
                             "sampling": sampling})
