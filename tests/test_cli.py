@@ -124,6 +124,7 @@ def test_empty_and_too_long_prompts(capsys, tiny_stack):
     (["generate", "hi", "--stop", ""], "--stop needs a non-empty text"),
     (["bench", "--out", "/proc/no/such"], "cannot write --out /proc/no/such"),
     (["eval", "--merge", "x.json", "--json-out", "/proc/no/r.json"], "cannot write the folder of --json-out"),
+    (["generate", "hi", "--threads", "-1"], "--threads: must be >= 0, got -1"),
 ])
 def test_bad_input_fails_in_one_line_before_any_model_loads(capsys, monkeypatch, argv, message):
     from dynaspec.runtime import engine
@@ -137,6 +138,20 @@ def test_bad_input_fails_in_one_line_before_any_model_loads(capsys, monkeypatch,
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("device", ["cuda:99", "cuda"])
+def test_a_device_torch_cannot_use_fails_in_one_line_before_any_model_loads(capsys, monkeypatch, device):
+    import torch
+
+    from dynaspec.runtime import targets
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    monkeypatch.setattr(targets, "load_target", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    code, out, err = run(capsys, "generate", "hi", "--device", device)
+    assert code == 2 and out == ""
+    assert err.startswith(f"dynaspec: error: device '{device}'") and err.count("\n") == 1, err
 
 
 def test_non_utf8_stdin_and_broken_pipe(tmp_path):
@@ -255,3 +270,15 @@ def test_generate_imports_nothing_from_training_or_evaluation():
     tooling, runtime = out.stdout.strip().splitlines()[-2:]
     assert tooling == "[]"
     assert "dynaspec.runtime.engine" in runtime  # the check looks at the right names
+
+
+def test_generate_says_when_exactness_is_not_guaranteed(capsys, tiny_stack):
+    """A tree stack (exact = "observed" by default) runs, and says in one line that its output is
+    not guaranteed equal to plain decoding; --json carries the verdict."""
+    _, stack = tiny_stack
+    code, _, err = run(capsys, "generate", "Hello", "--stack", str(stack), "--max-new-tokens", "8", "--raw")
+    assert code == 0
+    notice = [line for line in err.splitlines() if "not guaranteed" in line]
+    assert len(notice) == 1 and "tree" in notice[0]
+    code, out, _ = run(capsys, "generate", "Hello", "--stack", str(stack), "--max-new-tokens", "8", "--raw", "--json")
+    assert code == 0 and json.loads(out)["exactness"] == "not guaranteed"

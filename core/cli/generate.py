@@ -113,4 +113,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"[{engine.stack.name}] {stats.new_tokens} new tokens, {stats.cycles} cycles, "
           f"mean accepted length {stats.mean_accepted_length:.2f}, mean shortlist {shortlist}, "
           f"{stats.tokens_per_second:.1f} tokens/s", file=sys.stderr)
+    if stats.exactness != "guaranteed":  # one line, so that a mismatch is never silent
+        print(f"[{engine.stack.name}] output equal to plain decoding is not guaranteed: {stats.exactness_reason}",
+              file=sys.stderr)
     return 0

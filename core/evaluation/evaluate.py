@@ -73,6 +73,7 @@ def evaluate(stacks: Sequence[str], *, prompts: int = 40, max_new_tokens: int = 
                          **({"slice": slice_name} if slice_name else {})},
             "stacks": {name: summarize(rows[name], rows[reference_of[name]]) for name in names},
             "baselines": reference_of,
+            "exactness_reasons": {name: engines[name].exactness_reason for name in names},
             "machine": {"read_bandwidth": bandwidth,
                         "weight_bytes": {n: weight_bytes(engines[n].target) for n in names}},
             "cost": costs(rows, reference_of, bandwidth,
@@ -94,19 +95,25 @@ def build_engines(stacks: Sequence[str], overrides: dict[str, Any] | None,
     configs = [resolve_stack(ref, overrides=overrides) for ref in stacks if ref != "baseline"]
     if not configs:
         configs = [resolve_stack("baseline")]
-    kind_of = {c.name: (c.target, str(stack_dtype(c)).removeprefix("torch."), c.device) for c in configs}
+    # one plain decoding per target, dtype, device and exactness setting: an "observed" stack runs
+    # the relaxed kernels, so its own plain decoding does too
+    kind_of = {c.name: (c.target, str(stack_dtype(c)).removeprefix("torch."), c.device, c.exact)
+               for c in configs}
     kinds = sorted(set(kind_of.values()))
     several_targets = len({k[0] for k in kinds}) > 1
+    placements = [k[:3] for k in kinds]
 
-    def baseline_name(kind: tuple[str, str, str]) -> str:
+    def baseline_name(kind: tuple[str, str, str, str]) -> str:
         if len(kinds) == 1:
             return "baseline"
         parts = [Path(kind[0]).name] if several_targets else []
-        return "-".join(["baseline", *parts, kind[1], kind[2]])
+        # the exactness setting only where two baselines would otherwise share a name
+        return "-".join(["baseline", *parts, kind[1], kind[2], *([kind[3]] if placements.count(kind[:3]) > 1 else [])])
 
     names = {kind: baseline_name(kind) for kind in kinds}
-    baselines = [resolve_stack("baseline", overrides={"target": target_ref, "dtype": dtype, "device": device})
-                 for target_ref, dtype, device in kinds]
+    baselines = [resolve_stack("baseline", overrides={"target": target_ref, "dtype": dtype, "device": device,
+                                                      "exact": exact})
+                 for target_ref, dtype, device, exact in kinds]
     if len(set(c.name for c in configs)) < len(configs):
         raise ConfigError("a stack is listed twice")
     registry = default_registry()
@@ -126,7 +133,7 @@ def result_row(stats) -> dict[str, Any]:
             "shortlist": stats.mean_shortlist_size, "wall": stats.wall_time,
             "tps": stats.tokens_per_second, "times": dict(stats.times),
             "draft_steps": stats.draft_steps, "verify_products": stats.verify_products,
-            "verify_times": [round(t, 6) for t in stats.verify_times]}
+            "verify_times": [round(t, 6) for t in stats.verify_times], "exactness": stats.exactness}
 
 
 def merge(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -167,6 +174,7 @@ def summarize(rows: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> dic
             "prompts": len(pick),
             # None: sampled, not compared token for token
             "exact": None if any(rows[i]["exact"] is None for i in pick) else all(rows[i]["exact"] for i in pick),
+            "exactness": exactness_of([rows[i] for i in pick]),
             "mean_accepted_length": sum(accepted) / len(accepted) if accepted else 0.0,
             "mean_shortlist_size": statistics.fmean(rows[i]["shortlist"] for i in pick),
             "tokens_per_second_median": statistics.median(rows[i]["tps"] for i in pick),
@@ -175,13 +183,23 @@ def summarize(rows: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> dic
     return out
 
 
+def exactness_of(rows: list[dict[str, Any]]) -> str:
+    """``guaranteed`` (the engine's numerics verdict held for every generation), ``observed`` (not
+    guaranteed, but every greedy output equalled plain decoding), or ``not guaranteed``."""
+    if rows and all(r.get("exactness") == "guaranteed" for r in rows):
+        return "guaranteed"
+    if rows and all(r["exact"] is True for r in rows):
+        return "observed"
+    return "not guaranteed"
+
+
 def format_table(report: dict[str, Any]) -> str:
-    lines = ["| stack | slice | prompts | exact | mean accepted length | mean shortlist | tokens/s (median) | speed-up vs baseline (median) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| stack | slice | prompts | exact | exactness | mean accepted length | mean shortlist | tokens/s (median) | speed-up vs baseline (median) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, per_slice in report["stacks"].items():
         for slice_name, f in per_slice.items():
             exact = {True: "yes", False: "NO", None: "(sampled)"}[f["exact"]]
-            lines.append(f"| {name} | {slice_name} | {f['prompts']} | {exact} | "
+            lines.append(f"| {name} | {slice_name} | {f['prompts']} | {exact} | {f.get('exactness', '')} | "
                          f"{f['mean_accepted_length']:.3f} | {f['mean_shortlist_size']:,.0f} | "
                          f"{f['tokens_per_second_median']:.2f} | {f['speedup_median']:.2f}x |")
     return "\n".join(lines)

@@ -33,6 +33,7 @@ PROBE_ROWS = (2, 3, 4, 5, 6, 8, 12, 16, 32, 64)
 #: K-block counts tried, fewest first (each block is one more product call)
 SPLITS = (2, 4, 8, 16, 32)
 MIN_BLOCK = 4  # narrower K-blocks are not worth a product call each
+BIG_WEIGHT = 1 << 24  # elements above which a weight is probed on fewer inputs
 
 
 def _probe_weight(shape, like: torch.Tensor) -> torch.Tensor:
@@ -59,6 +60,8 @@ def _rows_invariant(fn: Callable[[torch.Tensor], torch.Tensor], k: int, like: to
     m = max(rows)
     inputs = [torch.ones(m, k), torch.randint(0, 2, (m, k), generator=gen).float() * 2 - 1,
               *(torch.randn(m, k, generator=gen) for _ in range(3))]
+    if like.numel() > BIG_WEIGHT:  # an LM head: seconds per input; ones and one normal input
+        inputs = [inputs[0], inputs[2]]
     for x in inputs:
         x = x.to(device=like.device, dtype=like.dtype)
         single = torch.cat([fn(x[i:i + 1]) for i in range(m)])
@@ -86,12 +89,36 @@ def _split_linear(weight: torch.Tensor, bias: torch.Tensor | None, parts: int):
     return forward
 
 
+def _padded_linear(weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int):
+    """``F.linear`` over 2-D inputs, with fewer than ``min_rows`` rows zero-padded up to
+    ``min_rows``. Where a kernel library computes one row (a matrix-vector product) and a few rows
+    otherwise than many, but all counts from ``min_rows`` on alike, every row then gets the kernel
+    of the many. A plain step pays a product of ``min_rows`` rows: the price of the guarantee where
+    no K-split makes the stock kernel invariant."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows >= min_rows:
+            return F.linear(x, weight, bias)
+        padded = x.new_zeros(min_rows, x.shape[1])
+        padded[:rows] = x
+        return F.linear(padded, weight, bias)[:rows]
+
+    return forward
+
+
+#: row counts the padded fallback tries, fewest first
+PAD_ROWS = (2, 4, 8, 16)
+
 VERDICTS_FILE = "batch-invariance.json"
-PROBE_VERSION = 1  # bump when the probe or SPLITS change: remembered verdicts are then re-probed
+PROBE_VERSION = 2  # bump when the probe or SPLITS change: remembered verdicts are then re-probed
 
 
 def _machine() -> str:
-    """What decides which kernels run: torch's version and build, and the processor or GPU."""
+    """What decides which kernels run: torch's version and build, the processor or GPU, the CPU
+    capability torch dispatches to and oneDNN's ISA limit (both can be lowered by environment
+    variables), and the thread count (kernels block differently across threads)."""
+    import os
     import platform
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
@@ -104,31 +131,37 @@ def _machine() -> str:
         model, flags = platform.processor(), ""
     import hashlib
 
-    return "|".join([f"probe{PROBE_VERSION}", torch.__version__, platform.machine(), model, gpu,
-                     hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:12]])
+    build = hashlib.sha256(torch.__config__.show().encode()).hexdigest()[:12]
+    return "|".join([f"probe{PROBE_VERSION}", torch.__version__, build, platform.machine(), model, gpu,
+                     hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:12],
+                     torch.backends.cpu.get_cpu_capability(), os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+                     f"threads{torch.get_num_threads()}"])
 
 
 def invariant_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     rows: tuple[int, ...] = PROBE_ROWS) -> tuple[str, Callable | None]:
+                     rows: tuple[int, ...] = PROBE_ROWS, *, pad: bool = False) -> tuple[str, Callable | None]:
     """:func:`probe_linear`, remembered per machine (torch build, processor, GPU) in the cache
     root: the probe reads large products and costs seconds; its answer never changes there."""
     from dynaspec.runtime.cache import read_json, update_json
 
     key = "|".join([_machine(), "x".join(map(str, weight.shape)), str(weight.dtype), weight.device.type,
-                    str(bias is not None), ",".join(map(str, rows))])
+                    str(bias is not None), ",".join(map(str, rows)), "pad" if pad else "nopad"])
     verdict = read_json(VERDICTS_FILE).get(key)
     if verdict is None:
-        verdict = probe_linear(weight, bias, rows)[0]
+        verdict = probe_linear(weight, bias, rows, pad=pad)[0]
         update_json(VERDICTS_FILE, {key: verdict})
     if verdict.startswith("k-split"):
         return verdict, _split_linear(weight, bias, int(verdict.split()[1]))
+    if verdict.startswith("pad"):
+        return verdict, _padded_linear(weight, bias, int(verdict.split()[1]))
     return verdict, None
 
 
 def probe_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 rows: tuple[int, ...] = PROBE_ROWS) -> tuple[str, Callable | None]:
+                 rows: tuple[int, ...] = PROBE_ROWS, *, pad: bool = False) -> tuple[str, Callable | None]:
     """How to compute ``F.linear(x, weight, bias)`` so that rows do not depend on the batch size:
-    ``("stock", None)``, ``("k-split N", fn)``, or ``("variant", None)`` if nothing found works.
+    ``("stock", None)``, ``("k-split N", fn)``, with ``pad`` (for 2-D inputs) ``("pad N", fn)``
+    (:func:`_padded_linear`), or ``("variant", None)`` if nothing tried works.
     Kernels are chosen by shape, dtype and device, never by value, so the probe runs on a weight
     of the same shape built to expose summation order (:func:`_probe_weight`)."""
     # the order-exposing weight catches a changed blocking of K; the real weight with random
@@ -144,6 +177,9 @@ def probe_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
                 continue
             if all(_rows_invariant(_split_linear(w, b, parts), k, weight, rows) for w, b in weights):
                 return f"k-split {parts}", _split_linear(weight, bias, parts)
+        for min_rows in PAD_ROWS if pad else ():
+            if all(_rows_invariant(_padded_linear(w, b, min_rows), k, weight, rows) for w, b in weights):
+                return f"pad {min_rows}", _padded_linear(weight, bias, min_rows)
     return "variant", None
 
 

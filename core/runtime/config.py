@@ -157,10 +157,20 @@ class StackConfig:
     dtype: str = attrs.field(default="auto")
     #: Where the target, the drafter and every tensor of the engine live: "cpu", "cuda", "cuda:1", ...
     device: str = attrs.field(default="cpu")
+    #: "required": speculative output must equal plain decoding by construction (the numerics probe
+    #: found, or padded to, products whose rows do not depend on the row count, and the draft is a
+    #: chain); a stack that is not guaranteed is refused. "observed": run it anyway; its output is
+    #: compared with plain decoding (eval, bench) and its statistics say it is not guaranteed.
+    #: A stack file that does not say is "required" for a chain and "observed" for a tree.
+    exact: str = attrs.field(default="required")
 
     @dtype.validator
     def _dtype(self, _attribute, value):
         _check("dtype", value in DTYPE_CHOICES, value, f"must be one of {', '.join(DTYPE_CHOICES)}")
+
+    @exact.validator
+    def _exact(self, _attribute, value):
+        _check("exact", value in EXACT_CHOICES, value, f"must be one of {', '.join(EXACT_CHOICES)}")
 
     @device.validator
     def _device(self, _attribute, value):
@@ -199,6 +209,7 @@ class StackConfig:
             "decode": {k: v for k, v in attrs.asdict(self.decode).items() if v is not None},
             "dtype": self.dtype,
             "device": self.device,
+            "exact": self.exact,
         }
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> "StackConfig":
@@ -210,8 +221,9 @@ class StackConfig:
 
 
 _TOP_FIELDS = {"name", "description", "target", "drafter", "shortlister", "scheduler", "backend",
-               "verifier", "draft", "decode", "base", "dtype", "device"}
+               "verifier", "draft", "decode", "base", "dtype", "device", "exact"}
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+EXACT_CHOICES = ("required", "observed")
 _COMPONENT_FIELDS = {"shortlister", "scheduler", "backend", "verifier"}
 
 
@@ -257,11 +269,13 @@ def stack_from_mapping(data: Mapping[str, Any], *, source: str = "stack") -> Sta
     draft, decode = tables["draft"], tables["decode"]
     if draft.mode == "chain":
         draft = attrs.evolve(draft, topk=1, total_tokens=draft.depth)
+    if "exact" not in data:  # a chain is required to be exact; a tree cannot be, and runs compared
+        data["exact"] = "required" if draft.mode == "chain" or draft.topk == 1 or drafter is None else "observed"
     return StackConfig(
         name=data["name"], target=data["target"], drafter=drafter,
         description=str(data.get("description", "")),
         draft=draft, decode=decode,
-        **{k: data[k] for k in ("dtype", "device") if k in data},
+        **{k: data[k] for k in ("dtype", "device", "exact") if k in data},
         **{k: data[k] for k in _COMPONENT_FIELDS if k in data},
     )
 

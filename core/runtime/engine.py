@@ -53,8 +53,8 @@ class PathLogits:
     reads the (|V| x d) head once per cycle, and a tree pays again only where verification leaves
     the drafter's favourite line."""
 
-    def __init__(self, target, hidden: torch.Tensor, tree: DraftTree) -> None:
-        self.target, self.hidden, self.tree, self._rows = target, hidden, tree, {}
+    def __init__(self, target, hidden: torch.Tensor, tree: DraftTree, *, strict: bool = True) -> None:
+        self.target, self.hidden, self.tree, self._rows, self.strict = target, hidden, tree, {}, strict
         #: head products computed (one per line), for the statistics
         self.products = 0
 
@@ -67,7 +67,7 @@ class PathLogits:
             while self.tree.children.get(line[-1]):
                 line.append(self.tree.children[line[-1]][0])
             index = torch.tensor(line, device=self.hidden.device)
-            logits = self.target.logits(self.hidden.index_select(0, index))
+            logits = self.target.logits(self.hidden.index_select(0, index), strict=self.strict)
             self._rows.update(zip(line, logits))
             self.products += 1
         return self._rows[node]
@@ -89,6 +89,16 @@ class Engine:
             tokenizer=target.tokenizer, resolve_artifact=_resolve_artifact)
         if drafter is not None:
             check_drafter_shape(drafter.cfg, self.ctx.target_fingerprint, what="the drafter")
+        # the numerics are set up here whoever built the target: the guarantee is never skipped
+        target.make_batch_invariant()
+        # "required": the probed kernels, padded where that is what makes them invariant;
+        # "observed": the same without padding (a plain step then costs one row, not several)
+        self.strict = stack.exact == "required"
+        #: whether speculative output equals plain decoding by construction, and why (or why not)
+        self.exactness, self.exactness_reason = self._exactness()
+        if self.exactness != "guaranteed" and stack.exact == "required":
+            raise ConfigError(f"stack '{stack.name}' requires exact output, which is not guaranteed here: "
+                              f"{self.exactness_reason}; set exact = \"observed\" to run it anyway")
         build = self.registry.build
         self.shortlister = build("shortlister", stack.shortlister.name, stack.shortlister.kwargs, self.ctx)
         self.scheduler = build("scheduler", stack.scheduler.name, stack.scheduler.kwargs, self.ctx)
@@ -106,6 +116,23 @@ class Engine:
         self.drafting = (Drafting(stack.draft, target, drafter, self.shortlister, self.scheduler, self.backend)
                          if drafter is not None else None)
         self.verifier_for(stack.decode.temperature)  # fail early on a bad verifier
+
+    def _exactness(self) -> tuple[str, str]:
+        """``("guaranteed" | "not guaranteed", reason)`` for greedy output equal to plain decoding
+        (and, sampling, the target's own distribution) with this target on this machine."""
+        if self.drafter is None:
+            return "guaranteed", "plain decoding"
+        if not self.stack.exact_in_bfloat16:
+            return "not guaranteed", ("a tree's rows attend to scattered ancestors, which no plain step lays "
+                                      "out alike")
+        variant = self.target.variant_products(strict=self.strict)
+        if variant:
+            return "not guaranteed", (f"in {str(self.target.dtype).removeprefix('torch.')} on this machine the "
+                                      f"rows of {', '.join(variant)} depend on how many are computed together")
+        kinds = sorted({v for k, v in self.target.batch_invariance.items() if k != "attention"})
+        return "guaranteed", (f"every product probed batch-invariant in "
+                              f"{str(self.target.dtype).removeprefix('torch.')} on this machine "
+                              f"({', '.join(kinds)}); chains attend row by row")
 
     def _check_budget_units(self, declared: ShortlisterCapabilities) -> None:
         """A scheduler's budget must be in the shortlister's unit (tokens, or clusters for the
@@ -136,11 +163,12 @@ class Engine:
         """Resolve a stack (built-in name, plugin name or TOML file), load its target and drafter
         (unless given) and build its components."""
         from dynaspec.runtime.stacks import resolve_stack
-        from dynaspec.runtime.target import stack_dtype
+        from dynaspec.runtime.target import check_device, stack_dtype
         from dynaspec.runtime.targets import load_drafter, load_target
 
         registry = registry or default_registry()
         config = resolve_stack(stack, overrides=overrides, registry=registry)
+        check_device(config.device)
         dtype, device = stack_dtype(config), torch.device(config.device)
         if target is None:
             target = load_target(config.target, registry=registry).to(dtype=dtype, device=device)
@@ -282,6 +310,7 @@ class Engine:
         loop = self._speculate if self.drafter is not None else self._plain
 
         def run(stats):
+            stats.exactness, stats.exactness_reason = self.exactness, self.exactness_reason
             return loop(ids, max_new, params, verifier, generator, stats)
 
         return ids, run
@@ -324,7 +353,7 @@ class Engine:
         cache = target.new_cache(len(ids) + max_new + 1)
         with stats.timed("prefill"):
             hidden = self._prefill(torch.tensor(ids, device=device), cache)
-            token = verifier.first_token(target.logits(hidden[-1:])[0], params, generator)
+            token = verifier.first_token(target.logits(hidden[-1:], strict=self.strict)[0], params, generator)
         produced, pos = 0, len(ids)
         while True:
             chunk, done = self._finish([token], produced, max_new)
@@ -335,9 +364,9 @@ class Engine:
             with stats.verification():
                 with stats.timed("target_body"):
                     hidden = target.forward(torch.tensor([token], device=device),
-                                            torch.tensor([pos], device=device), cache)
+                                            torch.tensor([pos], device=device), cache, strict=self.strict)
                 with stats.timed("verify_head"):
-                    token = verifier.first_token(target.logits(hidden)[0], params, generator)
+                    token = verifier.first_token(target.logits(hidden, strict=self.strict)[0], params, generator)
             pos += 1
 
     @torch.inference_mode()
@@ -364,7 +393,8 @@ class Engine:
                 hidden, features[:len(ids)] = hidden
             else:
                 features[:len(ids)] = hidden
-            first = verifier.first_token(target.logits(hidden[len(ids) - 1:len(ids)])[0], params, generator)
+            first = verifier.first_token(target.logits(hidden[len(ids) - 1:len(ids)], strict=self.strict)[0],
+                                         params, generator)
         tokens[len(ids)] = first
         n = len(ids) + 1
         chunk, done = self._finish([first], 0, max_new)
@@ -381,10 +411,10 @@ class Engine:
                     hidden = target.forward(torch.tensor(tree.tokens, device=device),
                                             root_pos + 1 + torch.tensor(tree.depths, device=device), cache,
                                             tree_mask=None if chain else tree.attention_mask(device),
-                                            chain=chain, layers=layers)
+                                            chain=chain, layers=layers, strict=self.strict)
                     hidden, fed = hidden if layers else (hidden, hidden)
                 with stats.timed("verify_head"):
-                    logits = PathLogits(target, hidden, tree)
+                    logits = PathLogits(target, hidden, tree, strict=self.strict)
                     path, bonus = verifier.verify(tree, logits, params, generator)
             stats.verify_products += logits.products
             with stats.timed("bookkeeping"):

@@ -36,6 +36,14 @@ class KVBuffer:
         """The filled keys and values (views of the buffer, no copy)."""
         return self._k[:, :, :self.length], self._v[:, :, :self.length]
 
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.views()[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.views()[1]
+
     def keep(self, past: int, keep: torch.Tensor | None, count: int) -> None:
         """Keep the first ``past`` entries and the ``count`` entries ``past + keep`` after them, in
         that order; ``keep=None`` keeps the first ``count`` (nothing moves)."""

@@ -37,6 +37,10 @@ class GenerationStats:
     verify_products: int = 0
     #: the target's time (body + head) of every cycle; for plain decoding, of every step
     verify_times: list[float] = attrs.field(factory=list)
+    #: "guaranteed" or "not guaranteed": output equal to plain decoding by construction (the engine's
+    #: numerics verdict), and its reason
+    exactness: str = ""
+    exactness_reason: str = ""
 
     @contextmanager
     def timed(self, key: str):
@@ -105,4 +109,6 @@ class GenerationStats:
             "verify_products": self.verify_products,
             "verify_times": list(self.verify_times),
             "tokens_per_second": self.tokens_per_second,
+            "exactness": self.exactness,
+            "exactness_reason": self.exactness_reason,
         }

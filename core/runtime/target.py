@@ -17,6 +17,8 @@ from dynaspec.runtime.kv_buffer import KVBuffer
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: row counts the LM head is probed at: every verification of a chain up to depth 8
+HEAD_PROBE_ROWS = tuple(range(2, 10))
 
 
 def native_bf16(device: torch.device | str = "cpu") -> bool:
@@ -40,6 +42,17 @@ def resolve_dtype(name: str, device: torch.device | str = "cpu", *, exact_in_bf1
     if name not in DTYPES:
         raise ConfigError(f"dtype {name!r} is not supported: one of auto, {', '.join(sorted(DTYPES))}")
     return DTYPES[name]
+
+
+def check_device(device: str) -> None:
+    """Refuse a device this torch cannot use, before any model loads."""
+    kind = torch.device(device)
+    if kind.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ConfigError(f"device '{device}': {why}; use device = \"cpu\" (--device cpu)")
+        if kind.index is not None and kind.index >= torch.cuda.device_count():
+            raise ConfigError(f"device '{device}': only {torch.cuda.device_count()} CUDA device(s) here")
 
 
 def stack_dtype(stack) -> torch.dtype:
@@ -104,7 +117,8 @@ class TargetModel:
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, *, name: str = "target",
-                 prompt_format: str | None = None) -> None:
+                 prompt_format: str | None = None, forward: str = "auto") -> None:
+        from dynaspec.runtime.lean import lean_support
         from dynaspec.runtime.prompt import BASE_MODEL_FORMAT
 
         self.model = model.eval().requires_grad_(False)  # the target is never trained here
@@ -127,10 +141,21 @@ class TargetModel:
         self._fingerprint: dict[str, Any] | None = None
         #: per layer shape, how rows are kept independent of the batch size (None: not probed)
         self.batch_invariance: dict[str, str] | None = None
-        self._head = None  # a batch-invariant LM-head product, where the stock one is not
+        self._head = None  # the probed (batch-invariant) LM-head product, once probed
+        self._relaxed_head = None  # the same, unless it pads (then the stock product)
+        self.padded = False  # whether make_batch_invariant let products pad plain steps
         self._rowwise = False  # attention computes a chain's rows as plain steps would
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        # which forward runs the decoder: "lean" (dynaspec.runtime.lean: fused products, no
+        # per-layer module dispatch) or "generic" (the Hugging Face modules, any architecture)
+        if forward not in ("auto", "lean", "generic"):
+            raise ConfigError(f"forward {forward!r}: one of auto, lean, generic")
+        problem = lean_support(model) if forward != "generic" else None
+        if forward == "lean" and problem:
+            raise ConfigError(f"target '{name}' declares the lean forward, which does not cover it: {problem}")
+        self.forward_kind = "generic" if forward == "generic" or problem else "lean"
+        self._lean = None  # built at the first forward, after the final cast (see _lean_decoder)
 
     def _refresh(self) -> None:
         head = self.model.get_output_embeddings()
@@ -155,13 +180,24 @@ class TargetModel:
         self.fingerprint()
         self.model.to(device=device, dtype=dtype)
         self._refresh()
+        self._lean = None
         return self
 
-    def make_batch_invariant(self) -> dict[str, str]:
+    def make_batch_invariant(self, *, pad: bool = True) -> dict[str, str]:
         """Patch the target's linear layers whose kernels round differently for different row
         counts (:mod:`dynaspec.runtime.batch_invariance`), so a verified row equals the plain step's row;
         returns and keeps (``batch_invariance``) the verdict per layer shape. Call it after the
-        final :meth:`to`; it runs once."""
+        final :meth:`to`; it runs once.
+
+        ``pad``: where no K-split helps, let the lean forward and the LM head pad plain steps to the
+        fewest rows whose kernel every larger row count shares (exact, but a plain step costs a
+        product of several rows); without it such products stay ``variant``. Padded products are
+        the *strict* kernels; the *relaxed* ones (``strict=False`` in :meth:`forward` and
+        :meth:`logits`, for stacks with ``exact = "observed"``) are the same but the stock kernel
+        where the strict one pads."""
+        if self.batch_invariance is not None and pad != self.padded:
+            raise ConfigError("this target's numerics were set up with pad="
+                              f"{self.padded}: load another copy of the target for pad={pad}")
         if self.batch_invariance is None:
             from dynaspec.runtime.batch_invariance import (
                 install_rowwise_attention,
@@ -169,14 +205,45 @@ class TargetModel:
                 make_batch_invariant,
             )
 
+            self.padded = pad
             report = make_batch_invariant(self.decoder)
-            verdict, head = invariant_linear(self.lm_head_weight, self.lm_head_bias, rows=(2, 4, 6, 8))
+            verdict, head = invariant_linear(self.lm_head_weight, self.lm_head_bias, rows=HEAD_PROBE_ROWS,
+                                             pad=pad and self.forward_kind == "lean")
             report["lm_head " + "x".join(map(str, self.lm_head_weight.shape))] = verdict
-            self._head = head
+            # the probed kernel, also where it is stock: the float32 head otherwise takes the tall
+            # product for several rows, a kernel of its own that the probe did not see
+            self._head = head if head is not None or verdict != "stock" else functools.partial(
+                F.linear, weight=self.lm_head_weight, bias=self.lm_head_bias)
+            self._relaxed_head = None if verdict.startswith("pad") else self._head
             self._rowwise = install_rowwise_attention(self.model)
             report["attention"] = "row-wise for chains" if self._rowwise else "variant"
+            if self.forward_kind == "lean":
+                # the lean forward's fused products have shapes of their own: probed as well; it
+                # attends a chain row by row by construction
+                from dynaspec.runtime.lean import stock_linear
+
+                def linear(weight, bias):
+                    verdict, fn = invariant_linear(weight, bias, pad=pad)
+                    shape = "x".join(map(str, weight.shape)) + " " + str(weight.dtype).removeprefix("torch.")
+                    report[f"lean {shape}"] = verdict
+                    stock = stock_linear(weight, bias)
+                    return fn or stock, stock if verdict.startswith("pad") else fn or stock
+
+                self._lean = self._build_lean(linear)
+                report["attention"] = "row-wise for chains"
             self.batch_invariance = report
         return self.batch_invariance
+
+    def _build_lean(self, linear=None):
+        from dynaspec.runtime.lean import LeanDecoder, stock_linears
+
+        return LeanDecoder(self.model, linear or stock_linears)
+
+    def _lean_decoder(self):
+        """The lean forward, built once for the target's current dtype and device."""
+        if self._lean is None:
+            self._lean = self._build_lean()
+        return self._lean
 
     @property
     def batch_invariant(self) -> bool | None:
@@ -185,7 +252,16 @@ class TargetModel:
         to scattered ancestors, which no plain step lays out the same way: they are not covered."""
         if self.batch_invariance is None:
             return None
-        return "variant" not in self.batch_invariance.values()
+        return not self.variant_products()
+
+    def variant_products(self, *, strict: bool = True) -> list[str]:
+        """The products (and attention) of the forward in use whose rows depend on how many rows
+        are computed together, so that a verification may round otherwise than a plain step: those
+        the probe found variant, and (``strict=False``, the relaxed kernels) those it padded."""
+        lean = self.forward_kind == "lean"
+        bad = ("variant",) if strict else ("variant", "pad")
+        return [name for name, verdict in (self.batch_invariance or {}).items() if verdict.startswith(bad) and
+                (name.startswith(("lm_head", "attention")) or name.startswith("lean ") == lean)]
 
     # -- properties ------------------------------------------------------------------------------
     @property
@@ -234,7 +310,12 @@ class TargetModel:
         """A KV cache preallocated for ``capacity`` positions (it grows if a caller goes beyond).
 
         Every layer keeps every position (sliding-window layers included), so rolled-back tokens
-        can be dropped by index; the windows live in our masks."""
+        can be dropped by index; the windows live in our masks (or, for the lean forward, in
+        which keys each row attends)."""
+        if self.forward_kind == "lean":
+            from dynaspec.runtime.lean import LeanCache
+
+            return LeanCache(len(self.decoder.layers), capacity)
         return _new_kv_cache(capacity)
 
     def fused_features(self, ids: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
@@ -246,7 +327,7 @@ class TargetModel:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: Any,
                 tree_mask: torch.Tensor | None = None, *, chain: bool = False,
-                layers: Sequence[int] | None = None) -> Any:
+                layers: Sequence[int] | None = None, strict: bool = True) -> Any:
         """Run ``ids`` ([T]) at ``positions`` ([T]) after everything in ``cache``.
 
         ``tree_mask[i, j]`` (bool, [T, T]) says new token ``i`` may attend to new token ``j``; the
@@ -258,6 +339,8 @@ class TargetModel:
         decoder layers side by side, [T, len(layers) * d] (the fused features an EAGLE-3 drafter
         reads), as a pair. Layer index L (one past the last of the L layers) stands for the normed
         final hidden state itself, what the LM head reads.
+        ``strict=False`` runs plain steps and verifications of the lean forward on the relaxed
+        kernels (no padding; see :meth:`make_batch_invariant`).
         """
         from dynaspec.runtime.batch_invariance import rowwise_chain
 
@@ -266,6 +349,12 @@ class TargetModel:
         if bad:
             raise ConfigError(f"feature layers {bad} are not layers of this target: it has {count} "
                               f"(0..{count - 1}, and {count} for its final normed hidden state)")
+        if self.forward_kind == "lean":
+            hidden, captured = self._lean_decoder().forward(ids, positions, cache, tree_mask, chain=chain,
+                                                            layers=layers or (), strict=strict)
+            if layers is None:
+                return hidden
+            return hidden, torch.cat([captured[i] if i < count else hidden for i in layers], dim=-1)
         past = cache.get_seq_length()
         mask = self._masks(past, positions, tree_mask)
         captured: dict[int, torch.Tensor] = {}
@@ -284,10 +373,12 @@ class TargetModel:
             return hidden
         return hidden, torch.cat([captured[i][0] if i < count else hidden for i in layers], dim=-1)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits (float32) for hidden states [R, d]."""
-        if self._head is not None:
-            logits = self._head(hidden).float()
+    def logits(self, hidden: torch.Tensor, *, strict: bool = True) -> torch.Tensor:
+        """Full-vocabulary logits (float32) for hidden states [R, d], on the probed head (``strict``)
+        or on the probed head unless it pads (relaxed)."""
+        head = self._head if strict else self._relaxed_head
+        if head is not None:
+            logits = head(hidden).float()
         elif hidden.shape[0] > 1 and self.dtype == torch.float32 and self.device.type == "cpu":
             # float32 on a CPU: the head as the tall side of the product (262k x d times d x R)
             # reads it at several times the speed of the R x d times d x 262k form for a few rows

@@ -1,0 +1,262 @@
+"""A lean forward for the decoder layers of Llama-family targets (Llama, Qwen 2, Gemma 3).
+
+The Hugging Face modules compute a decoder layer in some 50 small kernel calls, each behind
+several Python layers (module calls, keyword plumbing, attention dispatch, mask builders). On a CPU
+decoding one token at a time that overhead, not the weights, is most of a plain step. This module
+computes the same function from the same weights in plain tensor code:
+
+- one product for Q, K and V and one for gate and up (the weights fused once, at build);
+- rotary tables computed once, read by index;
+- the KV cache in :class:`~dynaspec.runtime.kv_buffer.KVBuffer`\\ s written in place;
+- attention of one row as one SDPA call over the grouped query heads, keys cut to the sliding window.
+
+**Batch invariance.** Every product goes through a ``linear`` factory, which the numerics probe
+(:mod:`dynaspec.runtime.batch_invariance`) fills with a kernel whose rows do not depend on the row
+count. Attention of a chain (``chain=True``) computes each row exactly as a plain step at that
+position would: the same call on the same key prefix. Everything else is elementwise or reduces
+within a row. A verified chain therefore reproduces plain decoding with this forward bit for bit,
+wherever the probe says every product is invariant.
+
+The Hugging Face model stays the reference: the tests check that this forward computes its
+function (to float32 rounding) and gives its greedy tokens. A target whose architecture is not
+covered (:func:`lean_support`) runs through the Hugging Face modules as before.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+#: makes the products of one weight: (strict, relaxed) kernels for the rows of plain steps and
+#: verifications (strict: rows never depend on the row count; relaxed: the same, unless that costs
+#: padding, see ``TargetModel.make_batch_invariant``)
+LinearFactory = Callable[[torch.Tensor, "torch.Tensor | None"], tuple[Linear, Linear]]
+
+_FULL, _SLIDING = "full_attention", "sliding_attention"
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_FAMILIES = {"llama": "llama", "qwen2": "llama", "gemma3_text": "gemma3"}
+
+
+def stock_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    """``F.linear`` with these weights: the kernel the probe calls ``stock``."""
+    return lambda x: F.linear(x, weight, bias)
+
+
+def stock_linears(weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[Linear, Linear]:
+    """The stock kernel as both the strict and the relaxed product (no probe)."""
+    fn = stock_linear(weight, bias)
+    return fn, fn
+
+
+def lean_support(model) -> str | None:
+    """Why ``model`` cannot run through :class:`LeanDecoder` (None: it can)."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    kind = getattr(config, "model_type", "")
+    if kind not in _FAMILIES:
+        return f"model type {kind!r} (the lean forward covers {', '.join(sorted(_FAMILIES))})"
+    act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+    if act not in _ACTIVATIONS:
+        return f"activation {act!r}"
+    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "use_bidirectional_attention", False):
+        return "attention logit soft-capping or bidirectional attention"
+    rope = getattr(config, "rope_parameters", None) or {}
+    params = rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]
+    if any((p or {}).get("rope_type", "default") != "default" for p in params):
+        return "a rotary scaling other than the default"
+    layers = model.get_decoder().layers
+    if any(getattr(layer.mlp, "gate_proj", None) is None for layer in layers):
+        return "an MLP without gate and up projections"
+    return None
+
+
+class LeanCache:
+    """Keys and values of every layer, each in a :class:`KVBuffer` allocated once; the target's
+    ``keep`` compacts them in place (``layers[i].keep``)."""
+
+    def __init__(self, n_layers: int, capacity: int) -> None:
+        from dynaspec.runtime.kv_buffer import KVBuffer
+
+        self.layers = [KVBuffer(capacity) for _ in range(n_layers)]
+
+    def get_seq_length(self) -> int:
+        return self.layers[0].length
+
+
+def _fuse(modules, name: str) -> torch.Tensor:
+    """The ``name`` tensors of ``modules`` stacked along their rows into one tensor; each module's
+    own tensor becomes a view of its rows there, so the Hugging Face modules (still the reference,
+    and ``generate``'s path) and the lean forward share one copy of the weights."""
+    fused = torch.cat([getattr(m, name) for m in modules])
+    start = 0
+    for m in modules:
+        rows = getattr(m, name).shape[0]
+        setattr(m, name, torch.nn.Parameter(fused[start:start + rows], requires_grad=False))
+        start += rows
+    return fused
+
+
+class _Layer:
+    """One decoder layer's weights, fused, and the products that read them."""
+
+    def __init__(self, layer, family: str, linear: LinearFactory) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+        self.qkv_weight = _fuse(parts, "weight")
+        self.qkv_bias = _fuse(parts, "bias") if attn.q_proj.bias is not None else None
+        self.gate_up_weight = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
+        # each product as (strict, relaxed, any rows): the first two are the probe's choices for
+        # plain steps and verifications (see LinearFactory); the third the stock kernel, for a
+        # prefill, which plain and speculative decoding compute alike
+        self.qkv = (*linear(self.qkv_weight, self.qkv_bias), stock_linear(self.qkv_weight, self.qkv_bias))
+        self.o = (*linear(attn.o_proj.weight, attn.o_proj.bias), stock_linear(attn.o_proj.weight, attn.o_proj.bias))
+        self.gate_up = (*linear(self.gate_up_weight, None), stock_linear(self.gate_up_weight, None))
+        self.down = (*linear(mlp.down_proj.weight, None), stock_linear(mlp.down_proj.weight, None))
+        self.intermediate = mlp.gate_proj.weight.shape[0]
+        if family == "gemma3":  # Gemma's norms scale by (1 + w) in float32, then round once
+            self.norms = [(1.0 + n.weight.float()) for n in (layer.input_layernorm, layer.post_attention_layernorm,
+                                                             layer.pre_feedforward_layernorm,
+                                                             layer.post_feedforward_layernorm)]
+            self.qk_norm = (1.0 + attn.q_norm.weight.float(), 1.0 + attn.k_norm.weight.float())
+        else:  # Llama's norms round the normed state, then scale by w in the model's dtype
+            self.norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            self.qk_norm = None
+
+
+class LeanDecoder:
+    """The decoder of a Hugging Face Llama / Qwen 2 / Gemma 3 model as plain tensor code (see the
+    module docstring). Build it after the model's final cast and move; ``linear`` makes the product
+    of each weight (the numerics probe's choice of kernel)."""
+
+    def __init__(self, model, linear: LinearFactory = stock_linears) -> None:
+        problem = lean_support(model)
+        if problem is not None:
+            raise ValueError(f"no lean forward for this target: {problem}")
+        config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") \
+            else model.config
+        decoder = model.get_decoder()
+        self.family = _FAMILIES[config.model_type]
+        self.eps = float(config.rms_norm_eps)
+        self.act = _ACTIVATIONS[getattr(config, "hidden_act", None) or config.hidden_activation]
+        first = decoder.layers[0].self_attn
+        self.head_dim = int(first.head_dim)
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.groups = self.heads // self.kv_heads
+        self.scaling = float(first.scaling)
+        types = list(getattr(config, "layer_types", None) or [_FULL] * len(decoder.layers))
+        window = getattr(config, "sliding_window", None)
+        self.windows = [int(window) if t == _SLIDING and window else None for t in types]
+        self.layers = [_Layer(layer, self.family, linear) for layer in decoder.layers]
+        self.final_norm = decoder.norm.weight
+        if self.family == "gemma3":
+            self.final_norm = 1.0 + decoder.norm.weight.float()
+        self.embedding = decoder.embed_tokens
+        self.dtype = decoder.norm.weight.dtype
+        self.device = decoder.norm.weight.device
+        # rotary frequencies exactly as the model holds them, one set per layer type
+        rotary = decoder.rotary_emb
+        self._inv_freq = {}
+        for kind in set(types):
+            inv = getattr(rotary, f"{kind}_inv_freq", None)
+            scale = getattr(rotary, f"{kind}_attention_scaling", None)
+            if inv is None:
+                inv, scale = rotary.inv_freq, rotary.attention_scaling
+            self._inv_freq[kind] = (inv.float(), float(scale))
+        self._types = types
+        self._tables: dict[str, torch.Tensor] = {}
+
+    # -- pieces ------------------------------------------------------------------------------------
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.family == "gemma3":
+            return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).to(x.dtype)
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+    def _rotary(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D] of ``positions`` for layers of ``kind`` (tables grown by doubling)."""
+        need = int(positions.max()) + 1
+        table = self._tables.get(kind)
+        if table is None or table.shape[0] < need:
+            size = max(need, 256 if table is None else 2 * table.shape[0])
+            inv, scale = self._inv_freq[kind]
+            freqs = torch.arange(size, device=self.device, dtype=torch.float32)[:, None] * inv.to(self.device)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            table = torch.stack([emb.cos() * scale, emb.sin() * scale], dim=1).to(self.dtype)  # [P, 2, D]
+            self._tables[kind] = table
+        both = table[positions]
+        return both[:, 0:1], both[:, 1:2]
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    def _attend_row(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: int,
+                    window: int | None) -> torch.Tensor:
+        """One query row [H, D] over the keys before ``end`` (within ``window``): [H * D]."""
+        start = max(0, end - window) if window else 0
+        q = q.view(1, self.kv_heads, self.groups, self.head_dim)
+        out = F.scaled_dot_product_attention(q, keys[:, :, start:end], values[:, :, start:end], scale=self.scaling)
+        return out.reshape(1, self.heads * self.head_dim)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None,
+                positions: torch.Tensor, past: int, tree_mask: torch.Tensor | None, chain: bool) -> torch.Tensor:
+        """Attention of the new rows ``q`` [T, H, D] over the cache ``keys``/``values`` [1, Hkv, L, D]
+        (its last T entries are the new rows'): [T, H * D]."""
+        t, length = q.shape[0], keys.shape[2]
+        if t == 1 or (chain and tree_mask is None):
+            # a plain step, or a chain row by row, each as the plain step at its position computes it
+            return torch.cat([self._attend_row(q[i], keys, values, length - t + i + 1, window) for i in range(t)])
+        allowed = torch.ones(t, length, dtype=torch.bool, device=q.device)
+        if tree_mask is not None:
+            allowed[:, past:] = tree_mask
+        else:
+            allowed[:, past:] = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        if window:
+            key_pos = torch.cat([torch.arange(past, device=q.device), positions])
+            allowed &= (positions[:, None] - key_pos[None, :]) < window
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=allowed[None, None],
+                                             scale=self.scaling, enable_gqa=self.groups > 1)
+        return out[0].transpose(0, 1).reshape(t, self.heads * self.head_dim)
+
+    # -- the forward -------------------------------------------------------------------------------
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: LeanCache,
+                tree_mask: torch.Tensor | None = None, *, chain: bool = False,
+                layers: Sequence[int] = (), strict: bool = True) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The normed final hidden states [T, d] of ``ids`` at ``positions`` after ``cache`` (see
+        ``TargetModel.forward``), and the inputs of the decoder layers in ``layers``. ``strict``:
+        plain steps and verifications on the strict kernels, else the relaxed ones."""
+        past = cache.get_seq_length()
+        h = self.embedding(ids)
+        t = h.shape[0]
+        # a plain step or a verification: rows plain decoding also computes one at a time
+        pick = (0 if strict else 1) if t == 1 or chain or tree_mask is not None else 2
+        hd, hq, hkv = self.head_dim, self.heads, self.kv_heads
+        rotary = {kind: self._rotary(kind, positions) for kind in set(self._types)}
+        captured = {}
+        for index, (layer, kind, window, kv) in enumerate(zip(self.layers, self._types, self.windows, cache.layers)):
+            if index in layers:
+                captured[index] = h
+            x = self._norm(h, layer.norms[0])
+            qkv = layer.qkv[pick](x)
+            qk = qkv[:, :(hq + hkv) * hd].view(t, hq + hkv, hd)
+            v = qkv[:, (hq + hkv) * hd:].view(t, hkv, hd)
+            if layer.qk_norm is not None:
+                qk = torch.cat([self._norm(qk[:, :hq], layer.qk_norm[0]), self._norm(qk[:, hq:], layer.qk_norm[1])],
+                               dim=1)
+            cos, sin = rotary[kind]
+            qk = self._rotate(qk, cos, sin)
+            keys, values = kv.append(qk[:, hq:].transpose(0, 1)[None], v.transpose(0, 1)[None])
+            attn = layer.o[pick](self._attend(qk[:, :hq], keys, values, window, positions, past, tree_mask, chain))
+            if self.family == "gemma3":
+                h = h + self._norm(attn, layer.norms[1])
+                x = self._norm(h, layer.norms[2])
+            else:
+                h = h + attn
+                x = self._norm(h, layer.norms[1])
+            gate_up = layer.gate_up[pick](x)
+            mlp = layer.down[pick](self.act(gate_up[:, :layer.intermediate]) * gate_up[:, layer.intermediate:])
+            h = h + (self._norm(mlp, layer.norms[3]) if self.family == "gemma3" else mlp)
+        return self._norm(h, self.final_norm), captured

@@ -1,0 +1,110 @@
+"""The lean target forward (dynaspec.runtime.lean) against the Hugging Face modules it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynaspec.errors import ConfigError
+from dynaspec.plugins.tiny import tiny_target
+from dynaspec.runtime.target import TargetModel
+
+
+def _qwen2_target(seed: int = 0) -> TargetModel:
+    """A tiny random Qwen 2 (biases on Q, K and V; a sliding window on its second layer)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, use_sliding_window=True, sliding_window=6,
+                         max_window_layers=1)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
+    with torch.no_grad():  # random biases: zeros would hide a misplaced one
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_()
+    return TargetModel(model, None, name="tiny-qwen2")
+
+
+def _pair(kind: str):
+    """The same random target twice: one through the lean forward, one through the generic one."""
+    if kind == "qwen2":
+        return _qwen2_target(), TargetModel(_qwen2_target().model, None, forward="generic")
+    lean = tiny_target(kind, seed=3)
+    generic = tiny_target(kind, seed=3)
+    return lean, TargetModel(generic.model, generic.tokenizer, forward="generic")
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "qwen2"])
+def test_lean_forward_computes_the_hugging_face_function(kind):
+    """Prefill, one-token steps, a chain and a tree, past the sliding window: the lean forward's
+    hidden states (and fused layer inputs) equal the Hugging Face modules' to float32 rounding."""
+    lean, generic = _pair(kind)
+    assert lean.forward_kind == "lean" and generic.forward_kind == "generic"
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 100, (20,), generator=gen)
+    caches = [t.new_cache(8) for t in (lean, generic)]  # under-sized: both must grow
+    outs = [t.forward(ids[:12], torch.arange(12), c, layers=[0, 1, 2]) for t, c in zip((lean, generic), caches)]
+    for a, b in zip(outs[0], outs[1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for p in range(12, 15):  # plain steps
+        a, b = (t.forward(ids[p:p + 1], torch.tensor([p]), c) for t, c in zip((lean, generic), caches))
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    chain = [t.forward(ids[15:18], torch.arange(15, 18), c, chain=True) for t, c in zip((lean, generic), caches)]
+    torch.testing.assert_close(chain[0], chain[1], rtol=1e-5, atol=1e-5)
+    for t, c in zip((lean, generic), caches):
+        t.keep(c, 15, [0, 2])  # keep an arbitrary subset: both caches compact alike
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a small tree
+    tree = [t.forward(ids[17:20], torch.tensor([17, 18, 18]), c, tree_mask=mask) for t, c in
+            zip((lean, generic), caches)]
+    torch.testing.assert_close(tree[0], tree[1], rtol=1e-5, atol=1e-5)
+    assert lean.logits(tree[0]).argmax(-1).tolist() == generic.logits(tree[1]).argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_lean_chain_rows_equal_plain_steps_where_the_probe_says_so(kind, tmp_path, monkeypatch):
+    """After the probe, a verified chain's rows are the plain steps' rows bit for bit wherever the
+    probe found every product invariant; where it did not, the verdict says so."""
+    monkeypatch.setenv("DYNASPEC_CACHE_DIR", str(tmp_path))
+    tgt = tiny_target(kind, seed=4).to(dtype=torch.bfloat16)
+    verdicts = tgt.make_batch_invariant()
+    assert any(k.startswith("lean ") for k in verdicts)  # the fused shapes were probed too
+    ids = torch.randint(3, 100, (24,), generator=torch.Generator().manual_seed(2))
+    steps, chain = tgt.new_cache(4), tgt.new_cache(4)
+    tgt.forward(ids[:10], torch.arange(10), steps)
+    tgt.forward(ids[:10], torch.arange(10), chain)
+    one = torch.cat([tgt.forward(ids[p:p + 1], torch.tensor([p]), steps) for p in range(10, 24)])
+    many = tgt.forward(ids[10:24], torch.arange(10, 24), chain, chain=True)
+    if tgt.batch_invariant:
+        assert torch.equal(one, many)
+    else:
+        assert "variant" in verdicts.values()
+
+
+def test_fused_weights_are_shared_with_the_hugging_face_modules():
+    """Fusing Q, K, V and gate, up makes no second copy: the modules' weights become views."""
+    tgt = tiny_target("llama", seed=5)
+    layer = tgt._lean_decoder().layers[0]
+    attn = tgt.decoder.layers[0].self_attn
+    base = layer.qkv_weight.untyped_storage().data_ptr()
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == base
+    assert attn.v_proj.weight.untyped_storage().data_ptr() == base
+    mlp = tgt.decoder.layers[0].mlp
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == layer.gate_up_weight.untyped_storage().data_ptr()
+
+
+def test_targets_declare_their_forward():
+    """A built-in family runs lean; a target may ask for the generic forward; an architecture the
+    lean forward does not cover runs the generic one, and declaring lean for it is refused."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    assert tiny_target("gemma3").forward_kind == "lean"
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
+    with pytest.raises(ConfigError, match="does not cover it"):
+        TargetModel(gpt2, None, forward="lean")
+    with pytest.raises(ConfigError, match="one of auto, lean, generic"):
+        TargetModel(gpt2, None, forward="fast")
+    from dynaspec.runtime.lean import lean_support
+
+    assert "model type 'gpt2'" in lean_support(gpt2)

@@ -1,0 +1,123 @@
+"""The numerics verdict: probed on every engine, padded where no K-split helps, enforced by the
+stack's ``exact`` field, and reported in the statistics, ``eval`` and ``generate``."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import builtin_registry, make_engine, trained_drafter
+from dynaspec.errors import ConfigError
+from dynaspec.plugins.tiny import tiny_target
+from dynaspec.runtime import batch_invariance as bi
+from dynaspec.runtime.config import stack_from_mapping
+from dynaspec.runtime.engine import Engine
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """Verdicts go to a temporary cache, never the user's."""
+    monkeypatch.setenv("DYNASPEC_CACHE_DIR", str(tmp_path))
+
+
+def _one_row_kernel(x, weight, bias=None):
+    """A kernel that computes one row otherwise than several (as a library's matrix-vector
+    product does): its single rows are off by 1/64, so no K-split can make it invariant."""
+    # each row on its own (invariant by construction, whatever this machine's kernels do)
+    out = torch.cat([F.linear(x[..., i:i + 1, :], weight, bias) for i in range(x.shape[-2])], dim=-2)
+    return out + 2.0 ** -6 if x.shape[-2] == 1 else out
+
+
+def test_probe_pads_where_no_k_split_helps(monkeypatch):
+    weight = torch.randn(48, 32)
+    monkeypatch.setattr(bi, "F", types.SimpleNamespace(linear=_one_row_kernel))
+    assert bi.probe_linear(weight)[0] == "variant"  # without padding nothing helps
+    verdict, fn = bi.probe_linear(weight, pad=True)
+    assert verdict == "pad 2"
+    x = torch.randn(7, 32)
+    one = torch.cat([fn(x[i:i + 1]) for i in range(7)])
+    assert torch.equal(fn(x), one)  # every row as in a batch of several
+    assert not torch.equal(_one_row_kernel(x[:1], weight), fn(x[:1]))
+
+
+def test_verdict_key_holds_threads_and_cpu_capability():
+    before = torch.get_num_threads()
+    key = bi._machine()
+    assert f"threads{before}" in key and torch.backends.cpu.get_cpu_capability() in key
+    torch.set_num_threads(before + 1)
+    try:
+        assert bi._machine() != key
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_engines_probe_and_report_their_verdict():
+    """Any engine, however built, probes its target; a chain on the lean forward is guaranteed
+    (padded where the machine needs it), and its statistics and JSON say so."""
+    tgt = tiny_target("llama", seed=7)
+    assert tgt.batch_invariance is None
+    stack = stack_from_mapping({"name": "t", "target": "tiny-llama", "drafter": "in-memory",
+                                "draft": {"mode": "chain", "depth": 4}})
+    engine = Engine(stack, tgt, trained_drafter("llama"), registry=builtin_registry())
+    assert tgt.batch_invariance is not None
+    assert engine.exactness == "guaranteed", engine.exactness_reason
+    assert not tgt.variant_products()
+    result = engine.generate([5, 6, 7, 8], max_new_tokens=12)
+    assert result.stats.exactness == "guaranteed"
+    assert result.to_json()["exactness"] == "guaranteed"
+    plain = Engine(stack_from_mapping({"name": "p", "target": "tiny-llama"}), tgt, None, registry=builtin_registry())
+    assert plain.generate([5, 6, 7, 8], max_new_tokens=12).token_ids == result.token_ids
+
+
+def test_required_refuses_what_is_not_guaranteed_and_observed_reports_it(monkeypatch):
+    registry = builtin_registry()
+    drafter = trained_drafter("llama")
+    with pytest.raises(ConfigError, match="not guaranteed here: a tree"):
+        make_engine("llama", drafter, registry, draft={"mode": "tree", "depth": 3, "topk": 2, "total_tokens": 6},
+                    exact="required")
+    tree = make_engine("llama", drafter, registry, draft={"mode": "tree", "depth": 3, "topk": 2, "total_tokens": 6})
+    assert tree.stack.exact == "observed"  # what a tree stack that does not say gets
+    assert tree.exactness == "not guaranteed"
+    assert tree.generate([5, 6, 7], max_new_tokens=8).stats.exactness == "not guaranteed"
+    # a product the probe found variant (as no fallback could fix): a chain is refused too
+    tgt = tiny_target("llama", seed=8)
+    tgt.make_batch_invariant()
+    tgt.batch_invariance = {**tgt.batch_invariance, "lean 96x32 float32": "variant"}
+    chain = {"name": "c", "target": "tiny-llama", "drafter": "in-memory", "draft": {"mode": "chain", "depth": 3}}
+    with pytest.raises(ConfigError, match="lean 96x32 float32"):
+        Engine(stack_from_mapping(chain), tgt, drafter, registry=registry)
+    observed = Engine(stack_from_mapping({**chain, "exact": "observed"}), tgt, drafter, registry=registry)
+    assert observed.exactness == "not guaranteed" and "lean 96x32 float32" in observed.exactness_reason
+    with pytest.raises(ConfigError, match="exact.*must be one of required, observed"):
+        stack_from_mapping({**chain, "exact": "maybe"})
+
+
+def test_eval_reports_exactness_per_stack():
+    from dynaspec.evaluation.evaluate import exactness_of
+
+    assert exactness_of([{"exactness": "guaranteed", "exact": True}]) == "guaranteed"
+    assert exactness_of([{"exactness": "not guaranteed", "exact": True}]) == "observed"
+    assert exactness_of([{"exactness": "not guaranteed", "exact": True},
+                         {"exactness": "not guaranteed", "exact": False}]) == "not guaranteed"
+
+
+def test_observed_stacks_skip_padding_and_say_so():
+    """Where the probe padded a product, a "required" stack keeps the padded (strict) kernels and
+    its guarantee; an "observed" stack on the same target runs the stock ones and is not
+    guaranteed; its output is still compared with its own (relaxed) plain decoding."""
+    registry = builtin_registry()
+    tgt = tiny_target("llama", seed=9)
+    tgt.make_batch_invariant()
+    padded = {k: ("pad 4" if k.startswith("lean ") else v) for k, v in tgt.batch_invariance.items()}
+    tgt.batch_invariance = padded
+    chain = {"name": "c", "target": "tiny-llama", "drafter": "in-memory", "draft": {"mode": "chain", "depth": 3}}
+    required = Engine(stack_from_mapping(chain), tgt, trained_drafter("llama"), registry=registry)
+    observed = Engine(stack_from_mapping({**chain, "exact": "observed"}), tgt, trained_drafter("llama"),
+                      registry=registry)
+    assert (required.strict, required.exactness) == (True, "guaranteed")
+    assert (observed.strict, observed.exactness) == (False, "not guaranteed")
+    assert "lean " in observed.exactness_reason
+    assert tgt.variant_products(strict=False) and not tgt.variant_products()
