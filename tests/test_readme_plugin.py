@@ -58,3 +58,16 @@ def test_readme_plugin_generates_exactly_and_checks_its_parameter(site, tmp_path
     assert bad.returncode == 2
     assert ("shortlister.recent = -1 is invalid for shortlister 'head-norm': must be an integer >= 0, in tokens"
             in bad.stderr)
+
+
+def test_readme_stack_example_resolves_as_written(tmp_path):
+    """The README's stack file, as written, is a valid stack (every component and artifact it names
+    exists), checked without loading a model."""
+    from dynaspec.runtime.registry import default_registry
+    from dynaspec.runtime.stacks import resolve_stack
+
+    path = tmp_path / "my-stack.toml"
+    path.write_text(_block("toml", 'name = "my-stack"'))
+    stack = resolve_stack(str(path))
+    default_registry().check_stack(stack)
+    assert (stack.name, stack.drafter, stack.draft.mode, stack.exact) == ("my-stack", "gemma3-270m", "chain", "required")

@@ -1,0 +1,74 @@
+"""Product cost and batch invariance by row count, for a target's own shapes, on this machine.
+
+For every distinct product of the lean forward (fused QKV, O, fused gate-up, down) and the LM head,
+in the target's dtype: the median time of ``F.linear`` on 1, 2, 3, 4, 6 and 8 rows, and which row
+counts compute a row alike (classes of row counts whose shared rows are bit for bit equal). Where
+one row is a class of its own, plain steps and verifications round differently unless the
+numerics probe pads (see ``dynaspec.runtime.batch_invariance``); the times say what padding costs.
+
+    python scripts/rows_cost.py --target gemma3-270m --dtype float32 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="gemma3-270m")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+
+    import torch
+    import torch.nn.functional as F
+
+    from dynaspec.runtime.targets import load_target
+
+    torch.set_num_threads(args.threads)
+    target = load_target(args.target).to(dtype=args.dtype)
+    lean = target._lean_decoder()
+    layer = lean.layers[0]
+    shapes = {"qkv": layer.qkv_weight, "o": target.decoder.layers[0].self_attn.o_proj.weight,
+              "gate-up": layer.gate_up_weight, "down": target.decoder.layers[0].mlp.down_proj.weight,
+              "lm head": target.lm_head_weight}
+    rows = (1, 2, 3, 4, 6, 8)
+    gen = torch.Generator().manual_seed(0)
+    print(f"{target.name}, {args.dtype}, {args.threads} thread(s), {torch.backends.cpu.get_cpu_capability()}")
+    print("| product | shape | " + " | ".join(f"{r} row{'s' if r > 1 else ''}, ms" for r in rows)
+          + " | row counts that agree (1..16) |")
+    print("|---|---|" + "---|" * len(rows) + "---|")
+    with torch.inference_mode():
+        for name, weight in shapes.items():
+            x = torch.randn(16, weight.shape[1], generator=gen).to(weight.dtype)
+            times = []
+            for r in rows:
+                samples = []
+                for _ in range(args.repeats):
+                    start = time.perf_counter()
+                    F.linear(x[:r], weight)
+                    samples.append(time.perf_counter() - start)
+                times.append(1e3 * statistics.median(samples))
+            out = {m: F.linear(x[:m], weight) for m in range(1, 17)}
+            classes: list[list[int]] = []
+            for m in range(1, 17):
+                for cls in classes:
+                    n = min(m, cls[0])
+                    if torch.equal(out[m][:n], out[cls[0]][:n]):
+                        cls.append(m)
+                        break
+                else:
+                    classes.append([m])
+            described = " ".join("{" + (f"{c[0]}..{c[-1]}" if len(c) > 2 and c == list(range(c[0], c[-1] + 1))
+                                        else ",".join(map(str, c))) + "}" for c in classes)
+            print(f"| {name} | {weight.shape[0]}x{weight.shape[1]} | " + " | ".join(f"{t:.2f}" for t in times)
+                  + f" | {described} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
