@@ -125,6 +125,8 @@ def test_empty_and_too_long_prompts(capsys, tiny_stack):
     (["bench", "--out", "/proc/no/such"], "cannot write --out /proc/no/such"),
     (["eval", "--merge", "x.json", "--json-out", "/proc/no/r.json"], "cannot write the folder of --json-out"),
     (["generate", "hi", "--threads", "-1"], "--threads: must be >= 0, got -1"),
+    (["eval", "--prompts", "0"], "--prompts: must be >= 1, got 0"),
+    (["eval", "--json-out", "/tmp"], "--json-out /tmp is a folder"),
 ])
 def test_bad_input_fails_in_one_line_before_any_model_loads(capsys, monkeypatch, argv, message):
     from dynaspec.runtime import engine
@@ -282,3 +284,12 @@ def test_generate_says_when_exactness_is_not_guaranteed(capsys, tiny_stack):
     assert len(notice) == 1 and "tree" in notice[0]
     code, out, _ = run(capsys, "generate", "Hello", "--stack", str(stack), "--max-new-tokens", "8", "--raw", "--json")
     assert code == 0 and json.loads(out)["exactness"] == "not guaranteed"
+
+
+def test_reports_go_into_folders_that_do_not_exist_yet(tmp_path):
+    """--json-out missing/x.json: the folder was checked writable before the work, and is made at
+    the end instead of losing the report."""
+    from dynaspec.cli.common import write_json
+
+    write_json(tmp_path / "missing" / "deeper" / "x.json", {"ok": 1})
+    assert json.loads((tmp_path / "missing" / "deeper" / "x.json").read_text()) == {"ok": 1}

@@ -119,6 +119,8 @@ def check_outputs(args: argparse.Namespace) -> None:
 
         require_dataset()
     if getattr(args, "json_out", None):
+        if Path(args.json_out).expanduser().is_dir():
+            raise InputError(f"--json-out {args.json_out} is a folder: name a file in it")
         ensure_folder(str(Path(args.json_out).expanduser().parent), "the folder of --json-out")
     out = getattr(args, "out", None)
     if isinstance(out, str):
@@ -135,6 +137,7 @@ def write_json(path: Path, data: Any) -> None:
 
     from dynaspec.runtime.files import atomic_write
 
+    path.parent.mkdir(parents=True, exist_ok=True)  # checked writable before the work began
     atomic_write(path, lambda p: Path(p).write_text(json.dumps(data, indent=2)))
 
 

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from dynaspec.cli.common import command, overrides, write_json
+from dynaspec.cli.common import command, overrides, positive_int, write_json
 
 _DIFFERS = "dynaspec: error: a greedy stack's output differs from the baseline's"
 
@@ -17,7 +17,7 @@ def register(sub) -> None:
     ev = command(sub, cmd_eval, "eval", placement=True,
         help="dev-protocol acceptance, exactness and speed of stacks against the baseline")
     ev.add_argument("--stacks", nargs="+", default=["default"], help="stack names or TOML files")
-    ev.add_argument("--prompts", type=int, default=40)
+    ev.add_argument("--prompts", type=positive_int, default=40)
     ev.add_argument("--max-new-tokens", type=int, default=64)
     ev.add_argument("--set", action="append", metavar="FIELD=VALUE",
                     help="override a field of every evaluated stack (not the baseline)")
