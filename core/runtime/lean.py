@@ -206,8 +206,9 @@ class LeanDecoder:
         """Attention of the new rows ``q`` [T, H, D] over the cache ``keys``/``values`` [1, Hkv, L, D]
         (its last T entries are the new rows'): [T, H * D]."""
         t, length = q.shape[0], keys.shape[2]
-        if t == 1 or (chain and tree_mask is None):
-            # a plain step, or a chain row by row, each as the plain step at its position computes it
+        if t == 1:
+            return self._attend_row(q[0], keys, values, length, window)
+        if chain and tree_mask is None:  # row by row, each as the plain step at its position computes it
             return torch.cat([self._attend_row(q[i], keys, values, length - t + i + 1, window) for i in range(t)])
         allowed = torch.ones(t, length, dtype=torch.bool, device=q.device)
         if tree_mask is not None:
