@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 
 # Triton reads TRITON_INTERPRET when it is imported: on a machine without a GPU its kernels can
 # only run under the interpreter, so set it before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("DYNASPEC_TRITON_ON_GPU") else "1")
+# the numerics probe's verdicts go to a file of this test run, never into the user's cache
+os.environ.setdefault("DYNASPEC_VERDICTS_FILE",
+                      os.path.join(tempfile.mkdtemp(prefix="dynaspec-verdicts-"), "batch-invariance.json"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

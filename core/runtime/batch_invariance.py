@@ -111,6 +111,15 @@ def _padded_linear(weight: torch.Tensor, bias: torch.Tensor | None, min_rows: in
 PAD_ROWS = (2, 4, 8, 16)
 
 VERDICTS_FILE = "batch-invariance.json"
+
+
+def verdicts_file() -> str:
+    """Where verdicts are remembered: ``$DYNASPEC_VERDICTS_FILE`` where set (a path; the test suite
+    points it at a temporary file, never the user's cache), else :data:`VERDICTS_FILE` in the cache
+    root."""
+    import os
+
+    return os.environ.get("DYNASPEC_VERDICTS_FILE") or VERDICTS_FILE
 PROBE_VERSION = 2  # bump when the probe or SPLITS change: remembered verdicts are then re-probed
 
 
@@ -146,10 +155,10 @@ def invariant_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
 
     key = "|".join([_machine(), "x".join(map(str, weight.shape)), str(weight.dtype), weight.device.type,
                     str(bias is not None), ",".join(map(str, rows)), "pad" if pad else "nopad"])
-    verdict = read_json(VERDICTS_FILE).get(key)
+    verdict = read_json(verdicts_file()).get(key)
     if verdict is None:
         verdict = probe_linear(weight, bias, rows, pad=pad)[0]
-        update_json(VERDICTS_FILE, {key: verdict})
+        update_json(verdicts_file(), {key: verdict})
     if verdict.startswith("k-split"):
         return verdict, _split_linear(weight, bias, int(verdict.split()[1]))
     if verdict.startswith("pad"):
