@@ -69,6 +69,8 @@ def lean_support(model) -> str | None:
     layers = model.get_decoder().layers
     if any(getattr(layer.mlp, "gate_proj", None) is None for layer in layers):
         return "an MLP without gate and up projections"
+    if any(layer.mlp.gate_proj.bias is not None or layer.mlp.up_proj.bias is not None for layer in layers):
+        return "biases on the MLP's gate and up projections"
     return None
 
 
@@ -113,7 +115,8 @@ class _Layer:
         self.qkv = (*linear(self.qkv_weight, self.qkv_bias), stock_linear(self.qkv_weight, self.qkv_bias))
         self.o = (*linear(attn.o_proj.weight, attn.o_proj.bias), stock_linear(attn.o_proj.weight, attn.o_proj.bias))
         self.gate_up = (*linear(self.gate_up_weight, None), stock_linear(self.gate_up_weight, None))
-        self.down = (*linear(mlp.down_proj.weight, None), stock_linear(mlp.down_proj.weight, None))
+        self.down = (*linear(mlp.down_proj.weight, mlp.down_proj.bias), stock_linear(mlp.down_proj.weight,
+                                                                                     mlp.down_proj.bias))
         self.intermediate = mlp.gate_proj.weight.shape[0]
         if family == "gemma3":  # Gemma's norms scale by (1 + w) in float32, then round once
             self.norms = [(1.0 + n.weight.float()) for n in (layer.input_layernorm, layer.post_attention_layernorm,

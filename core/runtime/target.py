@@ -143,7 +143,6 @@ class TargetModel:
         self.batch_invariance: dict[str, str] | None = None
         self._head = None  # the probed (batch-invariant) LM-head product, once probed
         self._relaxed_head = None  # the same, unless it pads (then the stock product)
-        self.padded = False  # whether make_batch_invariant let products pad plain steps
         self._rowwise = False  # attention computes a chain's rows as plain steps would
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -183,21 +182,18 @@ class TargetModel:
         self._lean = None
         return self
 
-    def make_batch_invariant(self, *, pad: bool = True) -> dict[str, str]:
+    def make_batch_invariant(self) -> dict[str, str]:
         """Patch the target's linear layers whose kernels round differently for different row
         counts (:mod:`dynaspec.runtime.batch_invariance`), so a verified row equals the plain step's row;
         returns and keeps (``batch_invariance``) the verdict per layer shape. Call it after the
         final :meth:`to`; it runs once.
 
-        ``pad``: where no K-split helps, let the lean forward and the LM head pad plain steps to the
-        fewest rows whose kernel every larger row count shares (exact, but a plain step costs a
-        product of several rows); without it such products stay ``variant``. Padded products are
-        the *strict* kernels; the *relaxed* ones (``strict=False`` in :meth:`forward` and
-        :meth:`logits`, for stacks with ``exact = "observed"``) are the same but the stock kernel
-        where the strict one pads."""
-        if self.batch_invariance is not None and pad != self.padded:
-            raise ConfigError("this target's numerics were set up with pad="
-                              f"{self.padded}: load another copy of the target for pad={pad}")
+        Where no K-split helps, the lean forward's products and its LM head pad plain steps to the
+        fewest rows whose kernel every larger row count shares (exact, but a plain step then costs
+        a product of several rows); the Hugging Face modules' products stay ``variant`` there.
+        These are the *strict* kernels; the *relaxed* ones (``strict=False`` in :meth:`forward`
+        and :meth:`logits`, for stacks with ``exact = "observed"``) are the same but the stock
+        kernel where the strict one pads."""
         if self.batch_invariance is None:
             from dynaspec.runtime.batch_invariance import (
                 install_rowwise_attention,
@@ -205,10 +201,9 @@ class TargetModel:
                 make_batch_invariant,
             )
 
-            self.padded = pad
+            lean = self.forward_kind == "lean"
             report = make_batch_invariant(self.decoder)
-            verdict, head = invariant_linear(self.lm_head_weight, self.lm_head_bias, rows=HEAD_PROBE_ROWS,
-                                             pad=pad and self.forward_kind == "lean")
+            verdict, head = invariant_linear(self.lm_head_weight, self.lm_head_bias, rows=HEAD_PROBE_ROWS, pad=lean)
             report["lm_head " + "x".join(map(str, self.lm_head_weight.shape))] = verdict
             # the probed kernel, also where it is stock: the float32 head otherwise takes the tall
             # product for several rows, a kernel of its own that the probe did not see
@@ -217,13 +212,13 @@ class TargetModel:
             self._relaxed_head = None if verdict.startswith("pad") else self._head
             self._rowwise = install_rowwise_attention(self.model)
             report["attention"] = "row-wise for chains" if self._rowwise else "variant"
-            if self.forward_kind == "lean":
+            if lean:
                 # the lean forward's fused products have shapes of their own: probed as well; it
                 # attends a chain row by row by construction
                 from dynaspec.runtime.lean import stock_linear
 
                 def linear(weight, bias):
-                    verdict, fn = invariant_linear(weight, bias, pad=pad)
+                    verdict, fn = invariant_linear(weight, bias, pad=True)
                     shape = "x".join(map(str, weight.shape)) + " " + str(weight.dtype).removeprefix("torch.")
                     report[f"lean {shape}"] = verdict
                     stock = stock_linear(weight, bias)
