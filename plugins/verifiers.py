@@ -34,6 +34,7 @@ class GreedyVerifier:
     """Accept a drafted token while it equals the target's argmax."""
 
     prunes = True
+    argmax_first_token = True
 
     def first_token(self, logits, params, generator) -> int:
         return int(logits.argmax())

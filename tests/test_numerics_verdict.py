@@ -121,3 +121,39 @@ def test_observed_stacks_skip_padding_and_say_so():
     assert (observed.strict, observed.exactness) == (False, "not guaranteed")
     assert "lean " in observed.exactness_reason
     assert tgt.variant_products(strict=False) and not tgt.variant_products()
+
+
+def test_greedy_token_is_the_padded_heads_argmax_and_certifies_most_steps(monkeypatch):
+    """Where the strict head pads, the greedy token comes from the one-row product when its top-2
+    margin is beyond the float32 error bound, and from the padded product otherwise; either way
+    it is the padded product's argmax."""
+    from dynaspec.runtime import batch_invariance as bi_mod
+    from dynaspec.runtime.target import _certificate
+
+    tgt = tiny_target("llama", seed=11)
+    tgt.make_batch_invariant()
+    # the head as if the probe had padded it (whatever this machine's kernels do)
+    tgt._head = bi_mod._padded_linear(tgt.lm_head_weight, None, 4)
+    tgt._certify = _certificate(tgt, "pad 4")
+    assert tgt._certify is not None and tgt._certify > 0
+    padded_calls = []
+    real = tgt._head
+    tgt._head = lambda h: padded_calls.append(1) or real(h)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        h = torch.randn(1, tgt.hidden_size, generator=gen)
+        assert tgt.greedy_token(h) == int(real(h)[0].argmax())
+    assert len(padded_calls) < 10  # most margins are far beyond the bound
+    # a tie: two head rows made equal, so the margin is 0 and the padded product decides
+    w = tgt.lm_head_weight
+    with torch.no_grad():
+        h = torch.randn(1, tgt.hidden_size, generator=gen)
+        top = int(F.linear(h, w)[0].argmax())
+        other = 5 if top != 5 else 6
+        saved = w[other].clone()
+        w[other] = w[top]
+        padded_calls.clear()
+        assert tgt.greedy_token(h) == min(other, top) == int(real(h)[0].argmax())
+        assert padded_calls == [1]
+        w[other] = saved
+    assert _certificate(tgt, "stock") is None

@@ -346,6 +346,12 @@ class Engine:
             return torch.cat(parts)
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
+    def _first_token(self, hidden, verifier, params, generator) -> int:
+        """The token after one row ``hidden`` [1, d] (a plain step, or the prompt's last row)."""
+        if getattr(verifier, "argmax_first_token", False):
+            return self.target.greedy_token(hidden, strict=self.strict)
+        return verifier.first_token(self.target.logits(hidden, strict=self.strict)[0], params, generator)
+
     @torch.inference_mode()
     def _plain(self, ids, max_new, params, verifier, generator, stats) -> Iterator[list[int]]:
         """Plain decoding with the target alone (the ``baseline`` stack)."""
@@ -353,7 +359,7 @@ class Engine:
         cache = target.new_cache(len(ids) + max_new + 1)
         with stats.timed("prefill"):
             hidden = self._prefill(torch.tensor(ids, device=device), cache)
-            token = verifier.first_token(target.logits(hidden[-1:], strict=self.strict)[0], params, generator)
+            token = self._first_token(hidden[-1:], verifier, params, generator)
         produced, pos = 0, len(ids)
         while True:
             chunk, done = self._finish([token], produced, max_new)
@@ -366,7 +372,7 @@ class Engine:
                     hidden = target.forward(torch.tensor([token], device=device),
                                             torch.tensor([pos], device=device), cache, strict=self.strict)
                 with stats.timed("verify_head"):
-                    token = verifier.first_token(target.logits(hidden, strict=self.strict)[0], params, generator)
+                    token = self._first_token(hidden, verifier, params, generator)
             pos += 1
 
     @torch.inference_mode()
@@ -393,8 +399,7 @@ class Engine:
                 hidden, features[:len(ids)] = hidden
             else:
                 features[:len(ids)] = hidden
-            first = verifier.first_token(target.logits(hidden[len(ids) - 1:len(ids)], strict=self.strict)[0],
-                                         params, generator)
+            first = self._first_token(hidden[len(ids) - 1:len(ids)], verifier, params, generator)
         tokens[len(ids)] = first
         n = len(ids) + 1
         chunk, done = self._finish([first], 0, max_new)

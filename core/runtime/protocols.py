@@ -84,6 +84,10 @@ class Verifier(Protocol):
     #: True when the drafted tree may be pruned by draft scores (EAGLE-2 rerank) without changing
     #: the output distribution. The lossless sampler needs the children it drew, as drawn.
     prunes: bool
+    #: (optional) True when ``first_token`` is the argmax of the logits: the engine may then ask
+    #: the target for its greedy token directly (``TargetModel.greedy_token``), which can skip
+    #: a padded head product
+    argmax_first_token: bool = False
 
     def first_token(self, logits: torch.Tensor, params: DecodeParams,
                     generator: torch.Generator) -> int:

@@ -44,6 +44,26 @@ def resolve_dtype(name: str, device: torch.device | str = "cpu", *, exact_in_bf1
     return DTYPES[name]
 
 
+def _certificate(target: "TargetModel", verdict: str) -> float | None:
+    """The factor of ``|h|`` above which a one-row head product's top-2 margin certifies its argmax
+    as the padded product's (:meth:`TargetModel.greedy_token`), or None where that does not apply:
+    a head that does not pad, a dtype other than float32 (or float32 products allowed to round
+    through a narrower type), a bias or a soft-cap (whose saturation can tie logits)."""
+    import os
+
+    if (not verdict.startswith("pad") or target.dtype != torch.float32 or target.lm_head_bias is not None
+            or target.softcap or torch.get_float32_matmul_precision() != "highest"
+            or os.environ.get("MKL_BLAS_COMPUTE_MODE")):
+        return None
+    k = target.lm_head_weight.shape[1]
+    unit = 2.0 ** -24
+    gamma = k * unit / (1 - k * unit)
+    largest = float(target.lm_head_weight.double().norm(dim=1).max())
+    # two kernels differ by at most 2 gamma (|w_top| + |w_j|) |h| <= 4 gamma max|w| |h|; twice that
+    # again as a margin for the norms' own rounding
+    return 8 * gamma * largest
+
+
 def check_device(device: str) -> None:
     """Refuse a device this torch cannot use, before any model loads."""
     kind = torch.device(device)
@@ -143,6 +163,7 @@ class TargetModel:
         self.batch_invariance: dict[str, str] | None = None
         self._head = None  # the probed (batch-invariant) LM-head product, once probed
         self._relaxed_head = None  # the same, unless it pads (then the stock product)
+        self._certify: float | None = None  # see greedy_token
         self._rowwise = False  # attention computes a chain's rows as plain steps would
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -210,6 +231,7 @@ class TargetModel:
             self._head = head if head is not None or verdict != "stock" else functools.partial(
                 F.linear, weight=self.lm_head_weight, bias=self.lm_head_bias)
             self._relaxed_head = None if verdict.startswith("pad") else self._head
+            self._certify = _certificate(self, verdict)
             self._rowwise = install_rowwise_attention(self.model)
             report["attention"] = "row-wise for chains" if self._rowwise else "variant"
             if lean:
@@ -385,6 +407,22 @@ class TargetModel:
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def greedy_token(self, hidden: torch.Tensor, *, strict: bool = True) -> int:
+        """``logits(hidden, strict=strict)[0].argmax()`` for one row ``hidden`` [1, d].
+
+        Where the strict head pads (a plain step then costs a product of several rows), the
+        one-row product is tried first: both are float32 sums of the same K products, each within
+        ``gamma_K * sum|w_i h_i| <= gamma_K * |w| * |h|`` of the exact logit whatever the order of
+        summation (gamma_K = K u / (1 - K u), u = 2**-24). When its top two logits lie further
+        apart than twice that bound for the largest row norm, twice over, no kernel of that kind
+        can order them otherwise, and its argmax is the padded product's. Otherwise the padded
+        product decides."""
+        if strict and self._certify is not None:
+            top = F.linear(hidden, self.lm_head_weight)[0].topk(2)
+            if float(top.values[0] - top.values[1]) > self._certify * float(hidden.double().norm()):
+                return int(top.indices[0])
+        return int(self.logits(hidden, strict=strict)[0].argmax())
 
     @torch.inference_mode()
     def keep(self, cache: Any, past: int, keep: Sequence[int]) -> None:
