@@ -73,7 +73,7 @@ def test_stack_file_with_base(tmp_path, registry):
     assert stack.scheduler.kwargs == {"budget": 7}
     built_in_base = tmp_path / "on-eagle.toml"
     built_in_base.write_text('base = "eagle"\nname = "mine"\n[draft]\ndepth = 2\n')
-    assert resolve_stack(str(built_in_base), registry=registry).drafter == "gemma3-270m"
+    assert resolve_stack(str(built_in_base), registry=registry).drafter_label == "gemma3-270m"
 
 
 def test_bad_files(tmp_path, registry):

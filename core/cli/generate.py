@@ -109,10 +109,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    shortlist = (f"{stats.mean_shortlist_size:,.0f}" if stats.cycles else "-")
+    from dynaspec.evaluation.evaluate import format_acceptance
+
+    shortlist = (f"{stats.mean_shortlist_size:,.0f}" if stats.shortlist_size_per_depth else "-")
     print(f"[{engine.stack.name}] {stats.new_tokens} new tokens, {stats.cycles} cycles, "
           f"mean accepted length {stats.mean_accepted_length:.2f}, mean shortlist {shortlist}, "
           f"{stats.tokens_per_second:.1f} tokens/s", file=sys.stderr)
+    if stats.drafted_at:
+        print(f"[{engine.stack.name}] acceptance per draft position: {format_acceptance(stats.acceptance_per_position)}",
+              file=sys.stderr)
     if stats.exactness != "guaranteed":  # one line, so that a mismatch is never silent
         print(f"[{engine.stack.name}] output equal to plain decoding is not guaranteed: {stats.exactness_reason}",
               file=sys.stderr)

@@ -210,8 +210,11 @@ def _aggregate(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
         for d, v in r.get("shortlist_per_depth", {}).items():
             per_depth[d].append(v)
     depth_means = {d: sum(v) / len(v) for d, v in sorted(per_depth.items(), key=lambda kv: int(kv[0]))}
+    from dynaspec.evaluation.evaluate import acceptance_per_position
+
     return {"prompts": len(records), "new_tokens": tokens,
             "mean_accepted_length": sum(accepted) / len(accepted) if accepted else 1.0,
+            "acceptance_per_position": acceptance_per_position(t for r in records for t in r.get("turn_stats", [])),
             "tokens_per_second": tokens / wall if wall else 0.0,
             "mean_shortlist_size": sum(depth_means.values()) / len(depth_means) if depth_means else 0.0,
             "shortlist_size_per_depth": depth_means}
@@ -265,6 +268,14 @@ def markdown(results: dict[str, Any]) -> str:
             cells = [fmt.format(per[c][key]) if c in per else "-" for c in cats]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
+    from dynaspec.evaluation.evaluate import format_acceptance
+
+    lines += ["### Acceptance per draft position (overall)", "",
+              "For each draft position, the fraction of the drafts reaching it whose token there was accepted.", "",
+              "| stack | acceptance per draft position |", "|---|---|"]
+    lines += [f"| {name} | {format_acceptance(per['overall'].get('acceptance_per_position', ()))} |"
+              for name, per in stacks.items()]
+    lines.append("")
     bad = [name for name, per in stacks.items() if per["overall"]["exact"] is False]
     if bad:
         lines.append(f"Exactness: MISMATCH against the baseline: {', '.join(bad)}")

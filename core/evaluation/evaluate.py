@@ -133,7 +133,26 @@ def result_row(stats) -> dict[str, Any]:
             "shortlist": stats.mean_shortlist_size, "wall": stats.wall_time,
             "tps": stats.tokens_per_second, "times": dict(stats.times),
             "draft_steps": stats.draft_steps, "verify_products": stats.verify_products,
-            "verify_times": [round(t, 6) for t in stats.verify_times], "exactness": stats.exactness}
+            "verify_times": [round(t, 6) for t in stats.verify_times], "exactness": stats.exactness,
+            "drafted_at": list(stats.drafted_at), "accepted_at": list(stats.accepted_at)}
+
+
+def acceptance_per_position(rows: Sequence[dict[str, Any]]) -> list[float]:
+    """Over the generations ``rows`` (see :func:`result_row`), for each draft position the fraction
+    of the drafts reaching it whose token there was accepted."""
+    drafted: list[int] = []
+    accepted: list[int] = []
+    for row in rows:
+        for total, counts in ((drafted, row.get("drafted_at", ())), (accepted, row.get("accepted_at", ()))):
+            total.extend([0] * (len(counts) - len(total)))
+            for p, c in enumerate(counts):
+                total[p] += c
+    return [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
+
+
+def format_acceptance(values: Sequence[float]) -> str:
+    """Per-position acceptance as ``0.81 0.62 0.44`` (empty: nothing drafted)."""
+    return " ".join(f"{v:.2f}" for v in values) or "-"
 
 
 def merge(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -176,6 +195,7 @@ def summarize(rows: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> dic
             "exact": None if any(rows[i]["exact"] is None for i in pick) else all(rows[i]["exact"] for i in pick),
             "exactness": exactness_of([rows[i] for i in pick]),
             "mean_accepted_length": sum(accepted) / len(accepted) if accepted else 0.0,
+            "acceptance_per_position": acceptance_per_position([rows[i] for i in pick]),
             "mean_shortlist_size": statistics.fmean(rows[i]["shortlist"] for i in pick),
             "tokens_per_second_median": statistics.median(rows[i]["tps"] for i in pick),
             "speedup_median": statistics.median(ratios) if ratios else 0.0,
@@ -194,12 +214,13 @@ def exactness_of(rows: list[dict[str, Any]]) -> str:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    lines = ["| stack | slice | prompts | exact | exactness | mean accepted length | mean shortlist | tokens/s (median) | speed-up vs baseline (median) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| stack | slice | prompts | exact | exactness | mean accepted length | acceptance per draft position | mean shortlist | tokens/s (median) | speed-up vs baseline (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, per_slice in report["stacks"].items():
         for slice_name, f in per_slice.items():
             exact = {True: "yes", False: "NO", None: "(sampled)"}[f["exact"]]
             lines.append(f"| {name} | {slice_name} | {f['prompts']} | {exact} | {f.get('exactness', '')} | "
-                         f"{f['mean_accepted_length']:.3f} | {f['mean_shortlist_size']:,.0f} | "
+                         f"{f['mean_accepted_length']:.3f} | {format_acceptance(f.get('acceptance_per_position', ()))} | "
+                         f"{f['mean_shortlist_size']:,.0f} | "
                          f"{f['tokens_per_second_median']:.2f} | {f['speedup_median']:.2f}x |")
     return "\n".join(lines)

@@ -6,7 +6,9 @@ parameters. File layout::
     name = "my-stack"
     base = "eagle"              # optional: start from another stack (built-in name or file)
     target = "gemma3-270m"
-    drafter = "gemma3-270m"     # built-in artifact name, a directory, or "none" for plain decoding
+    drafter = "gemma3-270m"     # a trained drafter (built-in artifact name or directory), a drafter
+                                # component's name ("ngram"), or "none" for plain decoding; or a
+    # [drafter] table: name = "composite"  drafters = ["ngram", "gemma3-270m"]
 
     [shortlister]               # every key but `name` is a parameter of the component
     name = "full"
@@ -91,6 +93,15 @@ class DraftConfig:
     #: Stop drafting deeper once the drafter's likeliest line (the product of its draft
     #: probabilities from the root) falls below this; 0 always drafts ``depth`` steps.
     min_confidence: float = attrs.field(default=0.0, converter=float)
+    #: Decode plainly while drafting does not pay: the engine measures, as it goes, the tokens per
+    #: second of its drafted cycles and of plain steps on this machine, falls back to plain steps
+    #: when drafting is slower, and drafts again now and then to see whether it pays again (see
+    #: :class:`dynaspec.runtime.gate.DraftGate`). Output is the same either way.
+    adaptive: bool = attrs.field(default=False)
+
+    @adaptive.validator
+    def _adaptive(self, _attribute, value):
+        _check("draft.adaptive", isinstance(value, bool), value, "must be true or false")
 
     @min_confidence.validator
     def _min_confidence(self, _attribute, value):
@@ -123,6 +134,16 @@ class DecodeConfig:
         _check("decode.top_p", 0 < value <= 1, value, "must satisfy 0 < top_p <= 1")
 
 
+def _drafter(value: Any) -> ComponentRef | None:
+    """A stack's drafter: None for plain decoding ("none", empty), else a component reference. A
+    plain string is a drafter component's name or, where no component has that name, the trained
+    drafter at that artifact (see :func:`dynaspec.runtime.drafters.drafter_component`)."""
+    if value is None or (isinstance(value, str) and value in ("", "none")):
+        return None
+    ref = _component(value)
+    return None if ref.name == "none" else ref
+
+
 def _component(value: Any) -> ComponentRef:
     if isinstance(value, ComponentRef):
         return value
@@ -143,7 +164,7 @@ class StackConfig:
 
     name: str
     target: str
-    drafter: str | None = None
+    drafter: ComponentRef | None = attrs.field(default=None, converter=_drafter)
     shortlister: ComponentRef = attrs.field(default=ComponentRef("full"), converter=_component)
     scheduler: ComponentRef = attrs.field(default=ComponentRef("fixed"), converter=_component)
     backend: ComponentRef = attrs.field(default=ComponentRef("torch"), converter=_component)
@@ -185,6 +206,15 @@ class StackConfig:
         return self.drafter is None or self.draft.mode == "chain" or self.draft.topk == 1
 
     @property
+    def drafter_label(self) -> str:
+        """The drafter as one short string: ``none``, its name, or ``name(key=value, ...)``."""
+        if self.drafter is None:
+            return "none"
+        if not self.drafter.params:
+            return self.drafter.name
+        return f"{self.drafter.name}({', '.join(f'{k}={v!r}' for k, v in self.drafter.params)})"
+
+    @property
     def speculative(self) -> bool:
         return self.drafter is not None
 
@@ -200,7 +230,8 @@ class StackConfig:
             "name": self.name,
             "description": self.description,
             "target": self.target,
-            "drafter": self.drafter or "none",
+            "drafter": ("none" if self.drafter is None else self.drafter.name if not self.drafter.params
+                        else self.drafter.to_dict()),
             "shortlister": self.shortlister.to_dict(),
             "scheduler": self.scheduler.to_dict(),
             "backend": self.backend.to_dict(),
@@ -224,7 +255,7 @@ _TOP_FIELDS = {"name", "description", "target", "drafter", "shortlister", "sched
                "verifier", "draft", "decode", "base", "dtype", "device", "exact"}
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 EXACT_CHOICES = ("required", "observed")
-_COMPONENT_FIELDS = {"shortlister", "scheduler", "backend", "verifier"}
+_COMPONENT_FIELDS = {"shortlister", "scheduler", "backend", "verifier", "drafter"}
 
 
 def _assign(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -239,7 +270,10 @@ def _assign(data: dict[str, Any], dotted: str, value: Any) -> None:
         return
     if head not in _COMPONENT_FIELDS | {"draft", "decode"}:
         raise ConfigError(f"stack field '{head}' has no sub-field '{rest}'")
-    table = dict(data.get(head) or {})
+    current = data.get(head)
+    if head == "drafter" and current in (None, "", "none"):
+        raise ConfigError(f"cannot set '{dotted}': the stack has no drafter (set drafter = NAME first)")
+    table = {"name": current} if isinstance(current, str) else dict(current or {})
     table[rest] = value
     data[head] = table
 
@@ -254,9 +288,7 @@ def stack_from_mapping(data: Mapping[str, Any], *, source: str = "stack") -> Sta
     for key in ("name", "target"):
         if not isinstance(data.get(key), str) or not data[key]:
             raise ConfigError(f"{source}: '{key}' must be a non-empty string")
-    drafter = data.get("drafter")
-    if drafter in (None, "", "none"):
-        drafter = None
+    drafter = _drafter(data.get("drafter"))
     tables = {}
     for key, cls in (("draft", DraftConfig), ("decode", DecodeConfig)):
         table = dict(data.get(key) or {})
@@ -276,7 +308,7 @@ def stack_from_mapping(data: Mapping[str, Any], *, source: str = "stack") -> Sta
         description=str(data.get("description", "")),
         draft=draft, decode=decode,
         **{k: data[k] for k in ("dtype", "device", "exact") if k in data},
-        **{k: data[k] for k in _COMPONENT_FIELDS if k in data},
+        **{k: data[k] for k in _COMPONENT_FIELDS - {"drafter"} if k in data},
     )
 
 

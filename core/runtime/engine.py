@@ -17,8 +17,9 @@ import torch
 
 from dynaspec.errors import ConfigError, InputError
 from dynaspec.runtime.config import StackConfig
-from dynaspec.runtime.drafter import DraftCache, Drafter, check_drafter_shape
-from dynaspec.runtime.drafting import Drafting
+from dynaspec.runtime.drafter import Drafter
+from dynaspec.runtime.drafters import DrafterContext, DraftSource, build_drafter
+from dynaspec.runtime.gate import DraftGate, PlainCost
 from dynaspec.runtime.protocols import DecodeParams, ShortlisterCapabilities, capabilities
 from dynaspec.runtime.registry import Registry, default_registry
 from dynaspec.runtime.stats import GenerationStats
@@ -76,53 +77,72 @@ class PathLogits:
 class Engine:
     """A target, an optional drafter and the components of a stack, assembled once."""
 
-    def __init__(self, stack: StackConfig, target, drafter: Drafter | None, *,
-                 registry: Registry | None = None) -> None:
+    def __init__(self, stack: StackConfig, target, drafter: Drafter | None = None, *,
+                 registry: Registry | None = None, models: dict | None = None) -> None:
+        """``drafter``: a drafter model already loaded, used by the stack's trained drafter instead of
+        its artifact; ``models``: drafter models shared with other engines (see :meth:`from_stacks`)."""
         self.stack = stack
         self.target = target
-        self.drafter = drafter
         self.registry = registry or default_registry()
         self.ctx = BuildContext(
             vocab_size=target.vocab_size, hidden_size=target.hidden_size,
             lm_head_weight=target.lm_head_weight, special_token_ids=target.special_token_ids,
             target_fingerprint=target.fingerprint(), device=target.device,
             tokenizer=target.tokenizer, resolve_artifact=_resolve_artifact)
-        if drafter is not None:
-            check_drafter_shape(drafter.cfg, self.ctx.target_fingerprint, what="the drafter")
         # the numerics are set up here whoever built the target: the guarantee is never skipped
         target.make_batch_invariant()
         # "required": the probed kernels, padded where that is what makes them invariant;
         # "observed": the same without padding (a plain step then costs one row, not several)
         self.strict = stack.exact == "required"
+        build = self.registry.build
+        self.shortlister = build("shortlister", stack.shortlister.name, stack.shortlister.kwargs, self.ctx)
+        self.scheduler = build("scheduler", stack.scheduler.name, stack.scheduler.kwargs, self.ctx)
+        self._declared = capabilities(self.shortlister)
+        self._check_budget_units(self._declared)
+        self._backends: dict[int, Any] = {}
+        #: the GEMM backend of the drafter's head (None until a drafter with a head asks for it)
+        self.backend = None
+        #: what drafts (None: plain decoding) and its neural model, if it has one
+        self.source: DraftSource | None = None
+        if stack.drafter is not None:
+            dctx = DrafterContext(target=target, draft=stack.draft, shortlister=self.shortlister,
+                                  scheduler=self.scheduler, backend_for=self._backend_for,
+                                  build=lambda ref: build_drafter(ref, dctx, self.registry),
+                                  model=drafter, models=models if models is not None else {})
+            self.source = build_drafter(stack.drafter, dctx, self.registry)
+        self.drafter = self.source.model if self.source is not None else None
         #: whether speculative output equals plain decoding by construction, and why (or why not)
         self.exactness, self.exactness_reason = self._exactness()
         if self.exactness != "guaranteed" and stack.exact == "required":
             raise ConfigError(f"stack '{stack.name}' requires exact output, which is not guaranteed here: "
                               f"{self.exactness_reason}; set exact = \"observed\" to run it anyway")
-        build = self.registry.build
-        self.shortlister = build("shortlister", stack.shortlister.name, stack.shortlister.kwargs, self.ctx)
-        self.scheduler = build("scheduler", stack.scheduler.name, stack.scheduler.kwargs, self.ctx)
-        declared = capabilities(self.shortlister)
-        self._check_budget_units(declared)
-        # the backend reads the shortlister's declared head layout, handed over in its own context;
-        # a drafter with a head of its own (EAGLE-3) has the backend multiply that head instead
-        if drafter is not None and drafter.head_weight is not None:
-            backend_ctx = attrs.evolve(self.ctx, lm_head_weight=drafter.head_weight,
-                                       vocab_size=int(drafter.head_weight.shape[0]), head_layout=None)
-        else:
-            backend_ctx = attrs.evolve(self.ctx, head_layout=declared.head_layout)
-        self.backend = build("backend", stack.backend.name, stack.backend.kwargs, backend_ctx)
         self._verifiers: dict[str, Any] = {}
-        self.drafting = (Drafting(stack.draft, target, drafter, self.shortlister, self.scheduler, self.backend)
-                         if drafter is not None else None)
         self.verifier_for(stack.decode.temperature)  # fail early on a bad verifier
+        #: the plain step's measured time on this machine (for ``draft.adaptive``)
+        self.plain_cost = PlainCost()
+
+    def _backend_for(self, head_weight: torch.Tensor | None):
+        """The stack's GEMM backend over the target's LM head (``None``) or a drafter's own head:
+        built once per head. The backend reads the shortlister's declared head layout, handed over
+        in its own context; a drafter's own head (EAGLE-3) has no such layout."""
+        key = id(head_weight) if head_weight is not None else 0
+        if key not in self._backends:
+            if head_weight is not None:
+                ctx = attrs.evolve(self.ctx, lm_head_weight=head_weight, vocab_size=int(head_weight.shape[0]),
+                                   head_layout=None)
+            else:
+                ctx = attrs.evolve(self.ctx, head_layout=self._declared.head_layout)
+            ref = self.stack.backend
+            self._backends[key] = self.registry.build("backend", ref.name, ref.kwargs, ctx)
+            self.backend = self.backend or self._backends[key]
+        return self._backends[key]
 
     def _exactness(self) -> tuple[str, str]:
         """``("guaranteed" | "not guaranteed", reason)`` for greedy output equal to plain decoding
         (and, sampling, the target's own distribution) with this target on this machine."""
-        if self.drafter is None:
+        if self.source is None:
             return "guaranteed", "plain decoding"
-        if not self.stack.exact_in_bfloat16:
+        if not self.source.chains_only:
             return "not guaranteed", ("a tree's rows attend to scattered ancestors, which no plain step lays "
                                       "out alike")
         variant = self.target.variant_products(strict=self.strict)
@@ -159,12 +179,13 @@ class Engine:
     @classmethod
     def from_stack(cls, stack: str | StackConfig = "default", *,
                    overrides: Mapping[str, Any] | None = None, registry: Registry | None = None,
-                   target=None, drafter: Drafter | None = None) -> "Engine":
-        """Resolve a stack (built-in name, plugin name or TOML file), load its target and drafter
-        (unless given) and build its components."""
+                   target=None, drafter: Drafter | None = None, models: dict | None = None) -> "Engine":
+        """Resolve a stack (built-in name, plugin name or TOML file), load its target (unless given)
+        and build its drafter and components (``drafter``: a drafter model already loaded;
+        ``models``: drafter models shared with other engines)."""
         from dynaspec.runtime.stacks import resolve_stack
         from dynaspec.runtime.target import check_device, stack_dtype
-        from dynaspec.runtime.targets import load_drafter, load_target
+        from dynaspec.runtime.targets import load_target
 
         registry = registry or default_registry()
         config = resolve_stack(stack, overrides=overrides, registry=registry)
@@ -179,9 +200,7 @@ class Engine:
                               f"{target.device}: load one target per dtype and device")
         if config.drafter is None:
             drafter = None  # plain decoding, even when a caller shares one stack's drafter with all
-        elif drafter is None:
-            drafter = load_drafter(config.drafter, target)
-        return cls(config, target, drafter, registry=registry)
+        return cls(config, target, drafter, registry=registry, models=models)
 
     @classmethod
     def from_stacks(cls, stacks: Sequence[str | StackConfig], *,
@@ -194,17 +213,15 @@ class Engine:
         from dynaspec.runtime.target import stack_dtype
 
         registry = registry or default_registry()
-        targets, drafters, engines = {}, {}, []
+        targets, models, engines = {}, {}, []
         given = {(target.dtype, target.device.type): target} if target is not None else {}
         for ref in stacks:
             config = resolve_stack(ref, overrides=overrides, registry=registry)
             placed = (stack_dtype(config), torch.device(config.device).type)
             key = (config.target, *placed)
             engine = cls.from_stack(config, registry=registry, target=targets.get(key) or given.get(placed),
-                                    drafter=drafters.get((key, config.drafter)))
+                                    models=models.setdefault(key, {}))
             targets[key] = engine.target
-            if config.drafter is not None:
-                drafters[(key, config.drafter)] = engine.drafter
             engines.append(engine)
         return engines
 
@@ -300,14 +317,14 @@ class Engine:
             raise InputError("the prompt is empty")
         if any(i < 0 or i >= self.target.vocab_size for i in ids):
             raise InputError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
-        extra = self.stack.draft.depth + 1 if self.drafter is not None else 0
+        extra = self.source.max_depth + 1 if self.source is not None else 0
         if len(ids) + max_new + extra > self.target.max_positions:
             raise InputError(
                 f"prompt of {len(ids)} tokens + {max_new} new tokens exceeds the target's context "
                 f"of {self.target.max_positions} positions")
         verifier = self.verifier_for(params.temperature)
         generator = torch.Generator(device=self.target.device).manual_seed(0 if seed is None else int(seed))
-        loop = self._speculate if self.drafter is not None else self._plain
+        loop = self._speculate if self.source is not None else self._plain
 
         def run(stats):
             stats.exactness, stats.exactness_reason = self.exactness, self.exactness_reason
@@ -378,57 +395,78 @@ class Engine:
     @torch.inference_mode()
     def _speculate(self, ids, max_new, params, verifier, generator, stats) -> Iterator[list[int]]:
         """Speculative decoding. Invariant at the top of each cycle: ``tokens[:n]`` are committed,
-        the target's cache holds all but the last of them (the root), ``features[p]`` is the
-        target's feature at position p < n - 1, and the drafter's cache holds positions
-        1..``dcache.length``. Every buffer is allocated once, for the whole generation."""
-        target, device, cfg = self.target, self.target.device, self.stack.draft
+        the target's cache holds all but the last of them (the root), and ``features[p]`` is the
+        target's feature at position p < n - 1 (kept for drafters that read features). Every
+        buffer is allocated once, for the whole generation."""
+        target, device, source = self.target, self.target.device, self.source
         # room for the prompt, the output, one cycle's overshoot of max_new and one draft tree
-        capacity = len(ids) + max_new + cfg.depth + cfg.total_tokens + 2
+        capacity = len(ids) + max_new + source.max_depth + source.max_tokens + 2
         cache = target.new_cache(capacity)
-        dcache = DraftCache(capacity)
+        session = source.start(capacity)
         tokens = torch.empty(capacity, dtype=torch.long, device=device)
         # the drafter's features: the target's last hidden states, or for a drafter that fuses
         # several target layers (EAGLE-3) the inputs of those layers side by side
-        layers = self.drafter.feature_layers
+        layers = source.feature_layers if source.needs_features else None
         width = target.hidden_size * (len(layers) if layers else 1)
-        features = torch.empty(capacity, width, dtype=target.dtype, device=device)
+        features = (torch.empty(capacity, width, dtype=target.dtype, device=device) if source.needs_features
+                    else None)
         with stats.timed("prefill"):
             tokens[:len(ids)] = torch.tensor(ids, device=device)
             hidden = self._prefill(tokens[:len(ids)], cache, layers)
             if layers:
-                hidden, features[:len(ids)] = hidden
+                hidden, fed = hidden
             else:
-                features[:len(ids)] = hidden
+                fed = hidden
+            if features is not None:
+                features[:len(ids)] = fed
             first = self._first_token(hidden[len(ids) - 1:len(ids)], verifier, params, generator)
         tokens[len(ids)] = first
         n = len(ids) + 1
         chunk, done = self._finish([first], 0, max_new)
         produced = len(chunk)
         yield chunk
+        gate = DraftGate(self.plain_cost) if self.stack.draft.adaptive else None
         while not done:
             root_pos = n - 1
-            # the drafter consumes (x_p, f_{p-1}) for the positions it has not seen yet
-            tree = self.drafting.grow(tokens[dcache.length + 1:n], features[dcache.length:root_pos], root_pos,
-                                      dcache, params, verifier, generator, stats, tokens[:n])
+            started = time.perf_counter()
+            if gate is None or gate.draft_now():
+                tree = session.grow(tokens, features, n, params, verifier, generator, stats)
+            else:
+                tree = DraftTree.with_root(int(tokens[root_pos]))
             with stats.verification():
-                with stats.timed("target_body"):
-                    chain = tree.is_chain
-                    hidden = target.forward(torch.tensor(tree.tokens, device=device),
-                                            root_pos + 1 + torch.tensor(tree.depths, device=device), cache,
-                                            tree_mask=None if chain else tree.attention_mask(device),
-                                            chain=chain, layers=layers, strict=self.strict)
-                    hidden, fed = hidden if layers else (hidden, hidden)
-                with stats.timed("verify_head"):
-                    logits = PathLogits(target, hidden, tree, strict=self.strict)
-                    path, bonus = verifier.verify(tree, logits, params, generator)
-            stats.verify_products += logits.products
+                if len(tree) == 1:  # nothing drafted: one plain step
+                    stats.plain_cycles += 1
+                    with stats.timed("target_body"):
+                        hidden = target.forward(tokens[root_pos:n], torch.tensor([root_pos], device=device), cache,
+                                                layers=layers, strict=self.strict)
+                        hidden, fed = hidden if layers else (hidden, hidden)
+                    with stats.timed("verify_head"):
+                        path, bonus = [], self._first_token(hidden, verifier, params, generator)
+                else:
+                    with stats.timed("target_body"):
+                        chain = tree.is_chain
+                        hidden = target.forward(torch.tensor(tree.tokens, device=device),
+                                                root_pos + 1 + torch.tensor(tree.depths, device=device), cache,
+                                                tree_mask=None if chain else tree.attention_mask(device),
+                                                chain=chain, layers=layers, strict=self.strict)
+                        hidden, fed = hidden if layers else (hidden, hidden)
+                    with stats.timed("verify_head"):
+                        logits = PathLogits(target, hidden, tree, strict=self.strict)
+                        path, bonus = verifier.verify(tree, logits, params, generator)
+                    stats.verify_products += logits.products
+                    stats.record_acceptance(max(tree.depths) + 1, len(path))
             with stats.timed("bookkeeping"):
                 keep = [0, *path]
-                target.keep(cache, root_pos, keep)
-                features[root_pos:root_pos + len(keep)] = fed[keep]
+                if len(tree) > 1:
+                    target.keep(cache, root_pos, keep)
+                if features is not None:
+                    features[root_pos:root_pos + len(keep)] = fed[keep]
                 committed = [tree.tokens[node] for node in path] + [bonus]
                 tokens[n:n + len(committed)] = torch.tensor(committed, device=device)
                 n += len(committed)
+            if gate is not None:
+                gate.record(drafted=len(tree) > 1, tokens=len(committed), seconds=time.perf_counter() - started,
+                            verify_seconds=stats.verify_times[-1])
             chunk, done = self._finish(committed, produced, max_new)
             stats.accepted_lengths.append(len(chunk))  # what this cycle added to the output
             produced += len(chunk)

@@ -14,6 +14,9 @@ The four component families map onto the four steps of a speculative cycle:
 * **verify** — verifiers (``dynaspec_verifiers``): accept or reject drafted tokens against the target's
   full-vocabulary logits.
 
+What proposes the draft is a component too: drafters (``dynaspec_drafters``), a trained model
+drafting through the four steps above, or a method with no model at all (prompt lookup).
+
 Plugins may also ship named stacks (``dynaspec_stacks``) and target models (``dynaspec_targets``).
 
 Each hook takes no arguments (arguments may be added later, never removed or renamed) and returns a
@@ -71,6 +74,16 @@ def dynaspec_verifiers():  # type: ignore[empty-body]
 
     A verifier factory is called as ``factory(params: dict, ctx: BuildContext)``; see
     :class:`dynaspec.runtime.protocols.Verifier` for the object it returns.
+    """
+
+
+@hookspec
+def dynaspec_drafters():  # type: ignore[empty-body]
+    """Return drafter components, or None to decline.
+
+    A drafter factory is called as ``factory(params, ctx: DrafterContext)`` and returns a
+    :class:`dynaspec.runtime.drafters.DraftSource`: what the engine keeps for it, how large its
+    trees get, and ``start(capacity)`` giving a session whose ``grow(...)`` drafts one tree a cycle.
     """
 
 

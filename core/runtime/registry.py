@@ -25,6 +25,7 @@ KINDS: dict[str, str] = {
     "scheduler": "dynaspec_schedulers",
     "backend": "dynaspec_backends",
     "verifier": "dynaspec_verifiers",
+    "drafter": "dynaspec_drafters",
     "target": "dynaspec_targets",
 }
 BUILTIN_DISTRIBUTION = "dynaspec"
@@ -206,6 +207,13 @@ class Registry:
             params = getattr(self.get(kind, ref.name), "params", None)
             if params is not None:  # typed parameters are checked here too, before any model loads
                 parse(kind, ref.name, params, ref.kwargs)
+        if stack.drafter is not None:
+            from dynaspec.runtime.drafters import drafter_component
+
+            ref = drafter_component(stack.drafter, self)
+            params = getattr(self.get("drafter", ref.name), "params", None)
+            if params is not None:
+                parse("drafter", ref.name, params, ref.kwargs)
         if stack.target not in self._entries["target"] and not Path(stack.target).is_dir():
             self.get("target", stack.target)  # raises, naming the registered targets
 

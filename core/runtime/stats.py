@@ -9,12 +9,13 @@ from typing import Any
 
 import attrs
 
-#: Wall-time buckets of a generation: the prefill; drafting (embed, draft_core, router, head_gemm);
+#: Wall-time buckets of a generation: the prefill; drafting (lookup: prompt lookup's n-gram index;
+#: embed, draft_core, router, head_gemm: a trained drafter);
 #: verification (target_body: the target's pass over the drafted tokens; verify_head: its LM head
 #: and the verifier); bookkeeping (cache compaction, committing tokens and features).
-TIME_KEYS = ("prefill", "embed", "draft_core", "router", "head_gemm", "target_body", "verify_head",
+TIME_KEYS = ("prefill", "lookup", "embed", "draft_core", "router", "head_gemm", "target_body", "verify_head",
              "bookkeeping")
-DRAFT_KEYS = ("embed", "draft_core", "router", "head_gemm")
+DRAFT_KEYS = ("lookup", "embed", "draft_core", "router", "head_gemm")
 
 
 @attrs.define
@@ -41,6 +42,29 @@ class GenerationStats:
     #: numerics verdict), and its reason
     exactness: str = ""
     exactness_reason: str = ""
+    #: per draft position p (1 = the first drafted token): in how many cycles the draft reached
+    #: position p, and in how many of them verification accepted a token there
+    drafted_at: list[int] = attrs.field(factory=list)
+    accepted_at: list[int] = attrs.field(factory=list)
+    #: cycles drafted by each drafter of a composite (by its index in the composite's list)
+    draft_sources: Counter = attrs.field(factory=Counter)
+    #: cycles in which the engine drafted nothing (the cost model's plain steps)
+    plain_cycles: int = 0
+
+    def record_acceptance(self, depth: int, accepted: int) -> None:
+        """One cycle's draft reached ``depth`` positions and ``accepted`` of them were accepted."""
+        for counts, upto in ((self.drafted_at, depth), (self.accepted_at, accepted)):
+            if len(counts) < depth:
+                counts.extend([0] * (depth - len(counts)))
+            for p in range(upto):
+                counts[p] += 1
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """For each draft position, the fraction of the drafts reaching it whose token there was
+        accepted (which needs every earlier position accepted too, so it never rises with depth
+        for drafts of one length)."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
 
     @contextmanager
     def timed(self, key: str):
@@ -111,4 +135,9 @@ class GenerationStats:
             "tokens_per_second": self.tokens_per_second,
             "exactness": self.exactness,
             "exactness_reason": self.exactness_reason,
+            "drafted_at": list(self.drafted_at),
+            "accepted_at": list(self.accepted_at),
+            "acceptance_per_position": self.acceptance_per_position,
+            "draft_sources": {str(k): v for k, v in sorted(self.draft_sources.items())},
+            "plain_cycles": self.plain_cycles,
         }

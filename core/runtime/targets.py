@@ -80,9 +80,10 @@ def resolve_artifact(ref: str) -> Path:
     raise ConfigError(f"artifact '{ref}' not found: neither a built-in artifact nor an existing path")
 
 
-def load_drafter(ref: str, target: TargetModel) -> Drafter:
+def load_drafter(ref: str, target: TargetModel, *, eagle_only: bool = False) -> Drafter:
     """Load a drafter for ``target``: a dynaspec drafter (refused if trained for another target), or
-    a published EAGLE-1/2/3 checkpoint folder or Hub id (refused if its sizes do not fit the target)."""
+    a published EAGLE-1/2/3 checkpoint folder or Hub id (refused if its sizes do not fit the target).
+    ``eagle_only`` refuses anything but an EAGLE checkpoint."""
     from dynaspec.runtime.drafter import CONFIG_FILE
     from dynaspec.runtime.eagle import is_eagle_checkpoint, load_eagle
 
@@ -95,6 +96,9 @@ def load_drafter(ref: str, target: TargetModel) -> Drafter:
     if not (path / CONFIG_FILE).exists() and is_eagle_checkpoint(path):
         return load_eagle(path, target.fingerprint(), dtype=target.dtype,
                           target_layers=len(target.decoder.layers)).to(target.device)
+    if eagle_only:
+        raise ConfigError(f"drafter '{ref}' is not an EAGLE checkpoint (a folder with config.json and "
+                          "model.safetensors): use the 'trained' drafter for dynaspec's own drafters")
     return Drafter.load(path, target_fingerprint=target.fingerprint(), dtype=target.dtype).to(target.device)
 
 

@@ -1,0 +1,97 @@
+"""Built-in drafters: ``trained``, ``eagle``, ``ngram`` and ``composite`` (see
+:mod:`dynaspec.runtime.drafters` for what a drafter component builds)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+from dynaspec.errors import ConfigError
+from dynaspec.runtime.drafters import (CompositeSource, DrafterContext, NeuralSource, NGramSource,
+                                       composite_parts)
+from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.params import is_text, param, positive_int, size_param
+from dynaspec.runtime.registry import Component
+
+
+@attrs.frozen
+class ModelParams:
+    artifact: str = param(help="the drafter: a built-in artifact name (the target's name), a folder, or a "
+                               "Hub id", check=is_text, rule="must be a non-empty string")
+
+
+def _load(artifact: str, ctx: DrafterContext, *, eagle_only: bool):
+    """The drafter model at ``artifact`` for the context's target: the one the caller gave, or one
+    already loaded by another engine of this process, or loaded now."""
+    from dynaspec.runtime.drafter import check_drafter_shape
+    from dynaspec.runtime.targets import load_drafter
+
+    target = ctx.target
+    model = ctx.model
+    if model is None:
+        key = ("drafter", artifact)
+        if key not in ctx.models:
+            ctx.models[key] = load_drafter(artifact, target, eagle_only=eagle_only)
+        model = ctx.models[key]
+    check_drafter_shape(model.cfg, target.fingerprint(), what=f"drafter '{artifact}'")
+    return model
+
+
+def _trained(params: ModelParams, ctx: DrafterContext) -> NeuralSource:
+    return NeuralSource(_load(params.artifact, ctx, eagle_only=False), ctx)
+
+
+def _eagle(params: ModelParams, ctx: DrafterContext) -> NeuralSource:
+    return NeuralSource(_load(params.artifact, ctx, eagle_only=True), ctx)
+
+
+def _optional_size(value) -> bool:
+    return value is None or positive_int(value)
+
+
+@attrs.frozen
+class NGramParams:
+    min_ngram: int = size_param(2, "the shortest suffix of the text that is looked up", unit="tokens")
+    max_ngram: int = size_param(4, "the longest suffix looked up (longer matches are tried first)",
+                                unit="tokens")
+    tokens: int | None = param(None, help="the most tokens proposed per cycle (default: the stack's "
+                                          "draft.depth)", unit="tokens", check=_optional_size,
+                               rule="must be an integer >= 1")
+
+
+def _ngram(params: NGramParams, ctx: DrafterContext) -> NGramSource:
+    return NGramSource(min_ngram=params.min_ngram, max_ngram=params.max_ngram,
+                       tokens=params.tokens or ctx.draft.depth)
+
+
+def _drafter_list(value) -> bool:
+    return (isinstance(value, Sequence) and not isinstance(value, str) and len(value) >= 2
+            and all(is_text(v) or (isinstance(v, Mapping) and is_text(v.get("name"))) for v in value))
+
+
+@attrs.frozen
+class CompositeParams:
+    drafters: list = param(help="the drafters, in order of preference: names (a trained drafter's artifact "
+                                "works as a name) or tables with a name and parameters",
+                           check=_drafter_list, rule="must be a list of at least two drafter names or tables")
+
+
+def _composite(params: CompositeParams, ctx: DrafterContext) -> CompositeSource:
+    parts = composite_parts(params.drafters)
+    if any(isinstance(p, Mapping) and p.get("name") == "composite" or p == "composite" for p in parts):
+        raise ConfigError("drafter 'composite': a composite cannot contain another composite")
+    return CompositeSource([ctx.build(p) for p in parts], merge=ctx.draft.mode == "tree")
+
+
+@hookimpl
+def dynaspec_drafters():
+    return [
+        Component("trained", _trained, "an EAGLE-style drafter trained by `dynaspec prepare` (or a published "
+                  "EAGLE-1/2/3 checkpoint), drafting through the stack's shortlister", params=ModelParams),
+        Component("eagle", _eagle, "a published EAGLE-1/2/3 checkpoint (folder or Hub id)", params=ModelParams),
+        Component("ngram", _ngram, "prompt lookup: the continuation of the text's last n tokens where they "
+                  "occurred before, in the prompt or the output; no model", params=NGramParams),
+        Component("composite", _composite, "several drafters: the first that proposes drafts a chain cycle; "
+                  "in a greedy tree stack their trees merge", params=CompositeParams),
+    ]

@@ -1,0 +1,284 @@
+"""Drafters as components: prompt lookup, composites, per-position acceptance, and their errors.
+
+Whatever drafts, greedy output equals the target's own greedy decoding token for token and
+sampled output keeps the target's distribution (chi-square at a fixed seed, as in test_sampling).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import BACKEND, builtin_registry, reference_greedy, target, trained_drafter
+from dynaspec.errors import ConfigError, UnknownComponentError
+from dynaspec.runtime.config import stack_from_mapping
+from dynaspec.runtime.drafters import NGramIndex, merge_trees
+from dynaspec.runtime.engine import Engine
+from dynaspec.runtime.stacks import resolve_stack
+from dynaspec.runtime.tree import DraftTree
+
+
+def make_engine(kind: str, model, registry, *, drafter, **fields) -> Engine:
+    """An engine on a tiny target whose stack drafts with ``drafter`` (a trained drafter named in it
+    is the ``model`` given)."""
+    data = {"name": "test", "target": f"tiny-{kind}", "drafter": drafter, "backend": BACKEND, **fields}
+    return Engine(stack_from_mapping(data), target(kind), model, registry=registry)
+
+
+# -- the n-gram index --------------------------------------------------------------------------------
+def test_lookup_proposes_what_followed_the_latest_occurrence_of_the_longest_suffix():
+    index = NGramIndex(sizes=(3, 2, 1), tokens=4)
+    index.extend([5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 5, 6, 7])
+    # "5 6 7" occurred at 0 (then 8 9 1 6); "6 7" more recently at 6 (then 2 3 5 6): longest first
+    assert index.lookup() == ([8, 9, 1, 6], 3)
+    index.extend([4])  # "7 4", "4": never seen before
+    assert index.lookup() == ([], 0)
+    index.extend([6, 7])  # "4 6 7" unseen; "6 7" latest usable at 11 (then 4 6: cut at the text's end)
+    assert index.lookup() == ([4, 6, 7], 2)
+
+
+def test_index_built_in_pieces_equals_index_built_at_once():
+    gen = torch.Generator().manual_seed(0)
+    text = torch.randint(0, 6, (300,), generator=gen).tolist()
+    whole, pieces = NGramIndex((4, 3, 2), 5), NGramIndex((4, 3, 2), 5)
+    whole.extend(text)
+    at = 0
+    while at < len(text):
+        step = int(torch.randint(1, 7, (1,), generator=gen))
+        pieces.extend(text[at:at + step])
+        at += step
+    assert pieces.table == whole.table and pieces.lookup() == whole.lookup()
+    assert whole.lookup()[1] > 0  # a random text over 6 symbols repeats its 4-grams
+
+
+def test_lookup_respects_min_ngram_and_proposal_length():
+    index = NGramIndex(sizes=(3, 2), tokens=2)
+    index.extend([1, 2, 3, 4, 5, 9, 3])
+    assert index.lookup() == ([], 0)  # only "3" repeats, shorter than min_ngram = 2
+    index.extend([4])
+    assert index.lookup() == ([5, 9], 2)  # at most 2 tokens
+
+
+def test_merged_trees_share_common_prefixes():
+    a = DraftTree.with_root(1)
+    x = a.add(0, 5, -0.1)
+    a.add(x, 6, -0.2)
+    b = DraftTree.with_root(1)
+    y = b.add(0, 5, 0.0)
+    z = b.add(y, 7, 0.0)
+    b.add(z, 8, 0.0)
+    m = merge_trees(a, b)
+    assert m.tokens == [1, 5, 6, 7, 8] and m.parents == [-1, 0, 1, 1, 3]
+    assert m.children[1] == [2, 3]  # the first tree's line stays first
+    assert (a.tokens, len(b)) == ([1, 5, 6], 4)  # inputs untouched
+
+
+# -- decoding -----------------------------------------------------------------------------------------
+def _repeating_prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(3):
+        motif = torch.randint(3, 99, (int(torch.randint(3, 7, (1,), generator=gen)),), generator=gen).tolist()
+        out.append(motif * 3 + motif[:2])
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize("drafter", [
+    {"name": "ngram", "min_ngram": 1, "max_ngram": 3},
+    {"name": "composite", "drafters": [{"name": "ngram", "min_ngram": 2}, "in-memory"]},
+], ids=["ngram", "composite-chain"])
+def test_greedy_output_is_the_targets_with_prompt_lookup(kind, drafter):
+    registry = builtin_registry()
+    engine = make_engine(kind, trained_drafter(kind), registry, drafter=drafter,
+                         draft={"mode": "chain", "depth": 5})
+    assert engine.exactness == "guaranteed" and engine.source.chains_only
+    drafted = accepted = 0
+    sources = set()
+    for prompt in _repeating_prompts():
+        result = engine.generate(prompt, max_new_tokens=40)
+        assert result.token_ids == reference_greedy(kind, prompt, 40), (prompt, drafter)
+        assert sum(result.stats.accepted_lengths) == 39
+        stats = result.stats
+        drafted += sum(stats.drafted_at)
+        accepted += sum(stats.accepted_at)
+        sources |= set(stats.draft_sources)
+        # every cycle drafted something or took a plain step
+        assert stats.cycles == sum(1 for _ in stats.accepted_lengths)
+        assert stats.plain_cycles + (stats.drafted_at[0] if stats.drafted_at else 0) == stats.cycles
+    assert drafted > 0 and 0 < accepted <= drafted  # the repeats were found and some were right
+    if drafter["name"] == "composite":
+        assert sources == {0, 1}  # both the lookup and the trained drafter drafted cycles
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_composite_tree_merges_lookup_and_drafter(kind):
+    registry = builtin_registry()
+    engine = make_engine(kind, trained_drafter(kind), registry,
+                         drafter={"name": "composite", "drafters": [{"name": "ngram", "min_ngram": 1}, "in-memory"]},
+                         draft={"mode": "tree", "depth": 4, "topk": 2, "total_tokens": 8})
+    assert engine.exactness == "not guaranteed" and not engine.source.chains_only
+    for prompt in _repeating_prompts():
+        result = engine.generate(prompt, max_new_tokens=30)
+        assert result.token_ids == reference_greedy(kind, prompt, 30)
+        assert result.stats.draft_sources[0] > 0 and result.stats.draft_sources[1] > 0
+
+
+def test_per_position_acceptance_in_statistics():
+    engine = make_engine("llama", trained_drafter("llama"), builtin_registry(), drafter="in-memory",
+                         draft={"mode": "chain", "depth": 4})
+    stats = engine.generate([5, 6, 7, 8, 5, 6, 7], max_new_tokens=30).stats
+    assert len(stats.drafted_at) == 4 and stats.drafted_at[0] == stats.cycles  # a chain of 4 every cycle
+    assert all(a <= d for a, d in zip(stats.accepted_at, stats.drafted_at))
+    # accepted_at[p] counts the cycles whose accepted path reached position p + 1 (the last
+    # cycle's committed tokens are cut at max_new_tokens, its accepted path is not)
+    *lengths, last = [len_ - 1 for len_ in stats.accepted_lengths]
+    before = [sum(1 for x in lengths if x > p) for p in range(4)]
+    last_cycle = [a - b for a, b in zip(stats.accepted_at, before)]
+    assert last_cycle == sorted(last_cycle, reverse=True) and set(last_cycle) <= {0, 1}
+    assert sum(last_cycle) >= last
+    data = stats.to_dict()
+    assert data["acceptance_per_position"] == pytest.approx(
+        [a / d for a, d in zip(stats.accepted_at, stats.drafted_at)])
+    assert data["drafted_at"] == stats.drafted_at
+
+
+# -- lossless sampling ------------------------------------------------------------------------------
+@pytest.mark.parametrize("drafter", [
+    {"name": "ngram", "min_ngram": 1, "max_ngram": 2},
+    {"name": "composite", "drafters": [{"name": "ngram", "min_ngram": 1}, "d"]},
+], ids=["ngram", "composite"])
+def test_sampling_with_prompt_lookup_keeps_target_distribution(drafter):
+    from test_sampling import VOCAB, chi2_pvalue
+    from dynaspec.plugins.tiny import tiny_target
+    from dynaspec.plugins.verifiers import sampling_distribution
+    from dynaspec.runtime.drafter import Drafter, DrafterConfig
+    from dynaspec.runtime.protocols import DecodeParams
+
+    tgt = tiny_target("llama", vocab_size=VOCAB, seed=2)
+    torch.manual_seed(5)
+    model = Drafter(DrafterConfig.like_target(tgt.model)).eval()
+    prompt = [0, 3, 5, 7, 0, 3, 5, 7, 0, 3]  # every token repeats: lookups propose at once
+    params = DecodeParams(1.0, 1.0)
+
+    @torch.no_grad()
+    def dist(ids):
+        return sampling_distribution(tgt.model(torch.tensor([ids])).logits[0, -1].float(),
+                                     params).numpy().astype(np.float64)
+
+    p1 = dist(prompt)
+    p2 = sum(p1[y] * dist(prompt + [y]) for y in range(VOCAB) if p1[y] > 0)
+    engine = Engine(stack_from_mapping({"name": "s", "target": "tiny", "drafter": drafter, "verifier": "sampling",
+                                        "draft": {"mode": "chain", "depth": 3}}), tgt, model,
+                    registry=builtin_registry())
+    counts, drafted, accepted = np.zeros(VOCAB), 0, 0
+    samples = 2500
+    for seed in range(samples):
+        result = engine.generate(prompt, max_new_tokens=2, temperature=1.0, seed=seed)
+        counts[result.token_ids[1]] += 1
+        drafted += sum(result.stats.drafted_at)
+        accepted += sum(result.stats.accepted_at)
+    assert chi2_pvalue(counts, p2) > 1e-3
+    assert 0.5 * np.abs(counts / samples - p2).sum() < 0.06
+    assert 0 < accepted < drafted  # lookups were drafted, and both accepted and rejected
+
+
+# -- configuration and errors -----------------------------------------------------------------------
+def test_drafter_names_tables_and_shorthand(registry):
+    stack = stack_from_mapping({"name": "s", "target": "tiny-llama", "drafter": "ngram"})
+    assert stack.drafter.name == "ngram" and stack.drafter_label == "ngram"
+    assert stack.to_dict()["drafter"] == "ngram"
+    table = stack_from_mapping({"name": "s", "target": "tiny-llama",
+                                "drafter": {"name": "ngram", "max_ngram": 3}})
+    assert table.to_dict()["drafter"] == {"name": "ngram", "max_ngram": 3}
+    assert "max_ngram=3" in table.drafter_label
+    assert stack.with_overrides({"drafter": "none"}).drafter is None
+    assert stack.with_overrides({"drafter.max_ngram": 5}).drafter.kwargs == {"max_ngram": 5}
+    registry.check_stack(table)
+    # a name no drafter has is a trained drafter's artifact
+    from dynaspec.runtime.drafters import drafter_component
+
+    assert drafter_component(stack_from_mapping({"name": "s", "target": "x", "drafter": "gemma3-270m"}).drafter,
+                             registry).to_dict() == {"name": "trained", "artifact": "gemma3-270m"}
+
+
+@pytest.mark.parametrize("drafter,message", [
+    ({"name": "ngram", "min_ngram": 4, "max_ngram": 2}, "min_ngram = 4 exceeds max_ngram = 2"),
+    ({"name": "ngram", "tokens": 0}, "drafter.tokens = 0 is invalid"),
+    ({"name": "ngram", "size": 3}, "has no parameter 'size'"),
+    ({"name": "composite", "drafters": ["ngram"]}, "at least two"),
+    ({"name": "composite", "drafters": ["ngram", "composite"]}, "cannot contain another composite"),
+    ({"name": "nosuch", "x": 1}, "unknown drafter 'nosuch'"),
+])
+def test_bad_drafters_are_refused_with_a_clear_message(drafter, message):
+    with pytest.raises((ConfigError, UnknownComponentError), match=message):
+        make_engine("llama", None, builtin_registry(), drafter=drafter, draft={"mode": "chain", "depth": 3})
+
+
+def test_eagle_drafter_refuses_a_dynaspec_artifact(tmp_path):
+    trained_drafter("llama").save(tmp_path / "d")
+    with pytest.raises(ConfigError, match="not an EAGLE checkpoint"):
+        Engine(stack_from_mapping({"name": "s", "target": "tiny-llama", "draft": {"mode": "chain"},
+                                   "drafter": {"name": "eagle", "artifact": str(tmp_path / "d")}}),
+               target("llama"), None, registry=builtin_registry())
+
+
+def test_builtin_stack_with_prompt_lookup_resolves(registry):
+    stack = resolve_stack("default-lookup", registry=registry)
+    assert stack.drafter.name == "composite" and stack.exact == "required"
+    registry.check_stack(stack)
+
+
+# -- the gate: plain steps while drafting does not pay ----------------------------------------------
+def test_gate_falls_back_to_plain_steps_and_looks_again():
+    from dynaspec.runtime.gate import FIRST_BACKOFF, MAX_BACKOFF, WARMUP, DraftGate, PlainCost
+
+    plain = PlainCost()
+    gate = DraftGate(plain)
+    # drafted cycles committing 1 token in 30 ms, while a verification takes 20 ms: plain pays
+    for _ in range(WARMUP):
+        assert gate.draft_now()
+        gate.record(drafted=True, tokens=1, seconds=0.030, verify_seconds=0.020)
+    assert not gate.draft_now() and gate.wait == FIRST_BACKOFF
+    for _ in range(FIRST_BACKOFF):
+        assert not gate.draft_now()
+        gate.record(drafted=False, tokens=1, seconds=0.018, verify_seconds=0.018)
+    assert plain.estimate == pytest.approx(0.018)
+    assert gate.draft_now()  # a look: it fails, and the next wait is twice as long
+    gate.record(drafted=True, tokens=1, seconds=0.030, verify_seconds=0.020)
+    assert gate.wait == 2 * FIRST_BACKOFF
+    for _ in range(2 * FIRST_BACKOFF):
+        gate.record(drafted=False, tokens=1, seconds=0.018, verify_seconds=0.018)
+    # a look that pays (4 tokens in 35 ms): drafting goes on, the backoff is reset
+    gate.record(drafted=True, tokens=4, seconds=0.035, verify_seconds=0.025)
+    assert gate.draft_now() and gate.backoff == FIRST_BACKOFF
+    for _ in range(10):
+        gate.record(drafted=True, tokens=3, seconds=0.035, verify_seconds=0.025)
+        assert gate.draft_now()
+    # the backoff never exceeds its cap
+    for _ in range(20):
+        gate.record(drafted=True, tokens=1, seconds=0.1, verify_seconds=0.025)
+        while not gate.draft_now():
+            gate.record(drafted=False, tokens=1, seconds=0.018, verify_seconds=0.018)
+    assert gate.backoff == MAX_BACKOFF
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_adaptive_engine_decodes_plainly_when_drafts_fail_and_stays_exact(kind):
+    from conftest import random_drafter
+
+    registry = builtin_registry()
+    fields = {"draft": {"mode": "chain", "depth": 4, "adaptive": True}}
+    engine = make_engine(kind, random_drafter(kind), registry, drafter="in-memory", **fields)
+    prompt = [5, 9, 13, 21]
+    result = engine.generate(prompt, max_new_tokens=60)
+    assert result.token_ids == reference_greedy(kind, prompt, 60)
+    stats = result.stats
+    # an untrained drafter is almost never right: most cycles become plain steps
+    assert stats.plain_cycles > stats.cycles // 2 and stats.drafted_at[0] + stats.plain_cycles == stats.cycles
+    # a drafter that is right keeps drafting
+    trained = make_engine(kind, trained_drafter(kind), registry, drafter="in-memory", **fields)
+    prompt = _repeating_prompts()[0]
+    result = trained.generate(prompt, max_new_tokens=40)
+    assert result.token_ids == reference_greedy(kind, prompt, 40)
