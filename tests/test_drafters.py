@@ -225,7 +225,7 @@ def test_eagle_drafter_refuses_a_dynaspec_artifact(tmp_path):
 
 
 def test_builtin_stack_with_prompt_lookup_resolves(registry):
-    stack = resolve_stack("default-lookup", registry=registry)
+    stack = resolve_stack("default", registry=registry)
     assert stack.drafter.name == "composite" and stack.exact == "required"
     registry.check_stack(stack)
 

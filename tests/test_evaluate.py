@@ -117,3 +117,18 @@ def test_each_target_gets_its_own_baseline(tiny_spec_stack, tmp_path, monkeypatc
     assert rows["plain-gemma"][0]["token_ids"] == rows["baseline-tiny-gemma3-float32-cpu"][0]["token_ids"]
     assert rows["plain-gemma"][0]["token_ids"] != rows["baseline-tiny-llama-float32-cpu"][0]["token_ids"]
     assert report["stacks"]["spec"]["overall"]["exact"] and report["stacks"]["plain-gemma"]["overall"]["exact"]
+
+
+def test_repeat_fraction_counts_output_4grams_seen_before():
+    import pytest
+
+    from dynaspec.evaluation.degenerate import is_degenerate, repeat_fraction
+
+    # an echo of the prompt: every output 4-gram occurred in the prompt
+    assert repeat_fraction([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5]) == pytest.approx(2 / 5)
+    assert repeat_fraction([9, 9, 1, 2, 3, 4], [1, 2, 3, 4, 1, 2, 3, 4]) == pytest.approx(5 / 8)
+    # fresh text repeats nothing; a loop of the output's own text does
+    assert repeat_fraction([1, 2, 3], [4, 5, 6, 7, 8]) == 0.0
+    loop = [7, 8, 9] * 10
+    assert repeat_fraction([1], loop) > 0.8 and is_degenerate(repeat_fraction([1], loop))
+    assert repeat_fraction([1, 2], []) == 0.0 and not is_degenerate(0.49)

@@ -133,6 +133,7 @@ def _append(path: Path, obj: dict[str, Any]) -> None:
 def answer(engine, question: Question, *, max_new_tokens: int, temperature: float, seed: int,
            prompt_format) -> dict[str, Any]:
     """All turns of one question; the Spec-Bench answer record (plus token ids and shortlist sizes)."""
+    from dynaspec.evaluation.degenerate import repeat_fraction
     from dynaspec.evaluation.evaluate import result_row
 
     context = ""
@@ -148,7 +149,7 @@ def answer(engine, question: Question, *, max_new_tokens: int, temperature: floa
         wall.append(s.wall_time)
         accept.extend(s.accepted_lengths)
         ids.append(result.token_ids)
-        rows.append(result_row(s))
+        rows.append({**result_row(s), "repeat_fraction": repeat_fraction(result.prompt_ids, result.token_ids)})
         for depth, sizes in s.shortlist_sizes.items():
             depth_sizes[str(depth)].extend(sizes)
     return {"question_id": question.question_id, "category": question.category,
@@ -210,9 +211,13 @@ def _aggregate(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
         for d, v in r.get("shortlist_per_depth", {}).items():
             per_depth[d].append(v)
     depth_means = {d: sum(v) / len(v) for d, v in sorted(per_depth.items(), key=lambda kv: int(kv[0]))}
+    from dynaspec.evaluation.degenerate import is_degenerate
     from dynaspec.evaluation.evaluate import acceptance_per_position
 
+    turns = [t for r in records for t in r.get("turn_stats", []) if "repeat_fraction" in t]
     return {"prompts": len(records), "new_tokens": tokens,
+            # answers (turns) repeating half their 4-grams or more (dynaspec.evaluation.degenerate)
+            "degenerate": sum(is_degenerate(t["repeat_fraction"]) for t in turns), "answers": len(turns),
             "mean_accepted_length": sum(accepted) / len(accepted) if accepted else 1.0,
             "acceptance_per_position": acceptance_per_position(t for r in records for t in r.get("turn_stats", [])),
             "tokens_per_second": tokens / wall if wall else 0.0,
@@ -270,6 +275,14 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append("")
     from dynaspec.evaluation.evaluate import format_acceptance
 
+    lines += ["### Degenerate answers", "",
+              "Answers (turns) at least half of whose 4-grams repeat earlier text of the prompt or the answer "
+              "(dynaspec.evaluation.degenerate): easy to draft, so speed on them flatters a drafter.", "",
+              "| stack | " + " | ".join(cats) + " |", "|---|" + "---|" * len(cats)]
+    for name, per in stacks.items():
+        cells = [f"{per[c].get('degenerate', '-')}/{per[c].get('answers', '-')}" if c in per else "-" for c in cats]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("")
     lines += ["### Acceptance per draft position (overall)", "",
               "For each draft position, the fraction of the drafts reaching it whose token there was accepted.", "",
               "| stack | acceptance per draft position |", "|---|---|"]

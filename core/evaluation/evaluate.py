@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dynaspec.errors import ConfigError
+from dynaspec.evaluation.degenerate import is_degenerate, repeat_fraction
 from dynaspec.runtime.engine import Engine
 from dynaspec.training.data import SELECTION_OFFSET, SLICES, dev_protocol_prompts
 
@@ -66,7 +67,8 @@ def evaluate(stacks: Sequence[str], *, prompts: int = 40, max_new_tokens: int = 
                 references[name] = result.token_ids
             exact = result.token_ids == references[reference_of[name]] if temperature == 0 else None
             rows[name].append({"id": item["id"], "slice": item["slice"], "exact": exact,
-                               "token_ids": result.token_ids, **result_row(result.stats)})
+                               "token_ids": result.token_ids, **result_row(result.stats),
+                               "repeat_fraction": repeat_fraction(result.prompt_ids, result.token_ids)})
     return {"protocol": {"prompts": len(items), "max_new_tokens": max_new_tokens, "max_chars": max_chars,
                          "temperature": temperature, "seed": seed,
                          "split": split, **({"train_offset": train_offset} if split == "train" else {}),
@@ -196,6 +198,8 @@ def summarize(rows: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> dic
             "exactness": exactness_of([rows[i] for i in pick]),
             "mean_accepted_length": sum(accepted) / len(accepted) if accepted else 0.0,
             "acceptance_per_position": acceptance_per_position([rows[i] for i in pick]),
+            # outputs repeating half their 4-grams or more (dynaspec.evaluation.degenerate)
+            "degenerate": sum(is_degenerate(rows[i].get("repeat_fraction", 0.0)) for i in pick),
             "mean_shortlist_size": statistics.fmean(rows[i]["shortlist"] for i in pick),
             "tokens_per_second_median": statistics.median(rows[i]["tps"] for i in pick),
             "speedup_median": statistics.median(ratios) if ratios else 0.0,
@@ -214,13 +218,13 @@ def exactness_of(rows: list[dict[str, Any]]) -> str:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    lines = ["| stack | slice | prompts | exact | exactness | mean accepted length | acceptance per draft position | mean shortlist | tokens/s (median) | speed-up vs baseline (median) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| stack | slice | prompts | exact | exactness | mean accepted length | acceptance per draft position | mean shortlist | tokens/s (median) | speed-up vs baseline (median) | degenerate outputs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, per_slice in report["stacks"].items():
         for slice_name, f in per_slice.items():
             exact = {True: "yes", False: "NO", None: "(sampled)"}[f["exact"]]
             lines.append(f"| {name} | {slice_name} | {f['prompts']} | {exact} | {f.get('exactness', '')} | "
                          f"{f['mean_accepted_length']:.3f} | {format_acceptance(f.get('acceptance_per_position', ()))} | "
                          f"{f['mean_shortlist_size']:,.0f} | "
-                         f"{f['tokens_per_second_median']:.2f} | {f['speedup_median']:.2f}x |")
+                         f"{f['tokens_per_second_median']:.2f} | {f['speedup_median']:.2f}x | {f.get('degenerate', '-')} |")
     return "\n".join(lines)
