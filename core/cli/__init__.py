@@ -3,7 +3,8 @@
 - :mod:`~dynaspec.cli.generate`: ``generate`` (imports the runtime only);
 - :mod:`~dynaspec.cli.info`: ``plugins``, ``stacks``;
 - :mod:`~dynaspec.cli.train`: ``train-drafter``, ``build-frequency``, ``build-clusters``, ``train-router``;
-- :mod:`~dynaspec.cli.measure`: ``eval``, ``eval-shortlist``, ``bench``, ``bench-head``.
+- :mod:`~dynaspec.cli.measure`: ``eval``, ``eval-shortlist``, ``bench``, ``bench-head``;
+- :mod:`~dynaspec.cli.serve`: ``serve`` (imports the runtime and :mod:`dynaspec.serving`).
 
 Heavy imports happen inside the commands, so ``--help`` is fast. No command module imports a
 component: they call the runtime, :mod:`dynaspec.training` or :mod:`dynaspec.evaluation`.
@@ -15,7 +16,7 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
-from dynaspec.cli import generate, info, measure, train
+from dynaspec.cli import generate, info, measure, serve, train
 from dynaspec.cli.common import Parser, check_outputs
 from dynaspec.errors import DynaspecError
 
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (generate, info, train, measure):
+    for module in (generate, info, train, measure, serve):
         module.register(sub)
     _complete_help(parser)
     return parser

@@ -109,7 +109,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    from dynaspec.evaluation.evaluate import format_acceptance
+    from dynaspec.runtime.stats import format_acceptance
 
     shortlist = (f"{stats.mean_shortlist_size:,.0f}" if stats.shortlist_size_per_depth else "-")
     print(f"[{engine.stack.name}] {stats.new_tokens} new tokens, {stats.cycles} cycles, "

@@ -273,7 +273,7 @@ def markdown(results: dict[str, Any]) -> str:
             cells = [fmt.format(per[c][key]) if c in per else "-" for c in cats]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
-    from dynaspec.evaluation.evaluate import format_acceptance
+    from dynaspec.runtime.stats import format_acceptance
 
     lines += ["### Degenerate answers", "",
               "Answers (turns) at least half of whose 4-grams repeat earlier text of the prompt or the answer "

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from dynaspec.errors import ConfigError
 from dynaspec.evaluation.degenerate import is_degenerate, repeat_fraction
 from dynaspec.runtime.engine import Engine
+from dynaspec.runtime.stats import format_acceptance
 from dynaspec.training.data import SELECTION_OFFSET, SLICES, dev_protocol_prompts
 
 
@@ -151,10 +152,6 @@ def acceptance_per_position(rows: Sequence[dict[str, Any]]) -> list[float]:
                 total[p] += c
     return [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
 
-
-def format_acceptance(values: Sequence[float]) -> str:
-    """Per-position acceptance as ``0.81 0.62 0.44`` (empty: nothing drafted)."""
-    return " ".join(f"{v:.2f}" for v in values) or "-"
 
 
 def merge(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -251,6 +251,7 @@ class Engine:
         stats = GenerationStats()
         new: list[int] = []
         text = ""
+        hit = False
         start = time.perf_counter()
         for chunk in run(stats):
             new.extend(chunk)
@@ -260,7 +261,12 @@ class Engine:
                     break
         stats.wall_time = time.perf_counter() - start
         stats.new_tokens = len(new)
+        stats.finish_reason = self._finish_reason(new, hit)
         return GenerationResult(text if stop else self.decode(new), new, prompt_ids, stats, self.stack.name)
+
+    def _finish_reason(self, new: Sequence[int], hit_stop: bool) -> str:
+        """"stop" when a stop text, EOS or end of turn ended the generation, else "length"."""
+        return "stop" if hit_stop or (new and new[-1] in set(self.target.eos_token_ids)) else "length"
 
     def stream(self, prompt: str | Sequence[int] | torch.Tensor, *, stats: GenerationStats | None = None,
                stop: Sequence[str] = (), **kwargs) -> Iterator[str]:
@@ -283,7 +289,9 @@ class Engine:
                 yield ready[len(text):]
                 text = ready
             if hit:
+                stats.finish_reason = "stop"
                 return
+        stats.finish_reason = self._finish_reason(new, False)
         full = self.decode(new)
         if len(full) > len(text):
             yield full[len(text):]

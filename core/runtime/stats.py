@@ -50,6 +50,8 @@ class GenerationStats:
     draft_sources: Counter = attrs.field(factory=Counter)
     #: cycles in which the engine drafted nothing (the cost model's plain steps)
     plain_cycles: int = 0
+    #: why generation ended: "stop" (EOS, end of turn or a stop text) or "length" (max_new_tokens)
+    finish_reason: str = ""
 
     def record_acceptance(self, depth: int, accepted: int) -> None:
         """One cycle's draft reached ``depth`` positions and ``accepted`` of them were accepted."""
@@ -140,4 +142,10 @@ class GenerationStats:
             "acceptance_per_position": self.acceptance_per_position,
             "draft_sources": {str(k): v for k, v in sorted(self.draft_sources.items())},
             "plain_cycles": self.plain_cycles,
+            "finish_reason": self.finish_reason,
         }
+
+
+def format_acceptance(values) -> str:
+    """Per-position acceptance as ``0.81 0.62 0.44`` (``-``: nothing drafted)."""
+    return " ".join(f"{v:.2f}" for v in values) or "-"
