@@ -293,3 +293,27 @@ def test_reports_go_into_folders_that_do_not_exist_yet(tmp_path):
 
     write_json(tmp_path / "missing" / "deeper" / "x.json", {"ok": 1})
     assert json.loads((tmp_path / "missing" / "deeper" / "x.json").read_text()) == {"ok": 1}
+
+
+def test_generate_ends_a_base_models_answer_at_the_next_user_turn(capsys, tiny_stack, monkeypatch):
+    """A base-model format ('User: ...\\nAssistant:') gets '\\nUser:' as a stop text unless --raw;
+    a chat template (which ends turns with a token of its own) gets none."""
+    from conftest import target
+    from dynaspec.runtime.engine import Engine
+
+    seen = []
+    real = Engine.generate
+
+    def recording(self, prompt, **kwargs):
+        seen.append(list(kwargs.get("stop", ())))
+        return real(self, prompt, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", recording)
+    _, stack = tiny_stack
+    for extra in ([], ["--raw"], ["--stop", "zz"]):
+        assert run(capsys, "generate", "Hi", "--stack", str(stack), "--max-new-tokens", "4", "--json", *extra)[0] == 0
+    assert seen == [["\nUser:"], [], ["zz", "\nUser:"]]
+    tgt = target("llama")
+    assert tgt.turn_stops == ("\nUser:",)
+    monkeypatch.setattr(tgt, "prompt_format", "<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
+    assert tgt.turn_stops == ()

@@ -243,3 +243,32 @@ def test_sigterm_finishes_and_exits_zero(stack_file):
     assert proc.wait(timeout=90) == 0
     t.join(30)
     assert box["r"].status_code == 200 and json.loads(box["r"].text)["usage"]["completion_tokens"] >= 1
+
+
+def test_a_request_that_fails_inside_the_engine_fails_alone(engine):
+    """The app in-process around the real engine, whose generation raises for one prompt: that
+    request gets a 500 with an error object, and the next one is answered."""
+    from fastapi.testclient import TestClient
+
+    from dynaspec.serving.api import Server, create_app
+
+    real_stream = engine.stream
+
+    def stream(prompt_ids, **kwargs):
+        if engine.decode(prompt_ids).startswith("boom"):
+            raise RuntimeError("the engine broke")
+        return real_stream(prompt_ids, **kwargs)
+
+    server = Server(engine, max_queue=2)
+    server.engine = type("Wrapped", (), {})()  # the same engine, with a stream that can fail
+    for name in ("stack", "target", "source", "encode", "decode", "exactness"):
+        setattr(server.engine, name, getattr(engine, name))
+    server.engine.stream = stream
+    server.worker.engine = server.engine
+    with TestClient(create_app(server)) as http:
+        bad = http.post("/v1/completions", json={"model": "spec", "prompt": "boom", "max_tokens": 4})
+        assert bad.status_code == 500 and "the engine broke" in bad.json()["error"]["message"]
+        good = http.post("/v1/completions", json={"model": "spec", "prompt": "fine", "max_tokens": 4})
+        assert good.status_code == 200 and good.json()["choices"][0]["text"] == engine.generate(
+            "fine", max_new_tokens=4).text
+        assert http.get("/health").json()["status"] == "ready"

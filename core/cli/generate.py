@@ -24,8 +24,8 @@ def register(sub) -> None:
                      help="read the prompt from this UTF-8 file (long prompts exceed the shell's limit)")
     gen.add_argument("--raw", action="store_true",
                      help="pass the prompt to the target as it is; by default it is wrapped in the "
-                     "target's prompt format (for the embedded Gemma: 'User: ...\nAssistant:', the "
-                     "format the drafter was trained on)")
+                     "target's prompt format (for the embedded Gemma, a base model: 'User: ...\nAssistant:', "
+                     "the format the drafter was trained on, and the answer ends at the next 'User:')")
     gen.add_argument("--stack", default="default", help="stack name or TOML file (default: %(default)s)")
     gen.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
                      help="tokens to generate, >= 1 (default: the stack's decode.max_new_tokens, 128 "
@@ -96,10 +96,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if any(not s for s in args.stop):
         raise InputError("--stop needs a non-empty text")
     engine = Engine.from_stack(stack, registry=registry)
+    stop = list(args.stop)
     if not args.raw:
         prompt = engine.target.format_prompt(prompt)
+        # a base model's answer ends where it would start inventing the user's next turn
+        stop += [s for s in engine.target.turn_stops if s not in stop]
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                  top_p=args.top_p, seed=args.seed, stop=args.stop)
+                  top_p=args.top_p, seed=args.seed, stop=stop)
     if args.json:
         result = engine.generate(prompt, **kwargs)
         print(json.dumps(result.to_json(), ensure_ascii=False))

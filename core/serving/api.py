@@ -186,7 +186,7 @@ class Server:
                 parts.append(" " + t["content"] + "\n")
             else:
                 parts.append(t["content"] + "\n")
-        return self.engine.encode("".join(parts)), ("\nUser:",)
+        return self.engine.encode("".join(parts)), tuple(target.turn_stops)
 
     def extra(self, stats) -> dict[str, Any]:
         return {"stack": self.engine.stack.name, "mean_accepted_length": stats.mean_accepted_length,
