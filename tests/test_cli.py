@@ -94,10 +94,13 @@ def test_generate_text_and_summary(capsys, tiny_stack):
     (["--stack", "no-such-stack"], "unknown stack 'no-such-stack'; available:"),
     (["--set", "draft.depth=0"], "draft.depth = 0 is invalid"),
     (["--temperature", "-1"], "decode.temperature = -1.0 is invalid"),
-    (["--set", "shortlister=nope"], "unknown shortlister 'nope'; available: dynaspec, frequency, full, hybrid"),
+    # (the list of shortlisters grows with installed plugins: only its start is the built-ins')
+    (["--set", "shortlister=nope"], "unknown shortlister 'nope'; available: "),
     (["--set", "verifier=greedy", "--temperature", "0.5"], "greedy verifier"),
     (["--top-p", "0"], "decode.top_p = 0.0 is invalid"),
     (["--set", "backend=nope"], "unknown backend 'nope'"),
+    (["--stack", "/tmp"], "stack '/tmp' is a folder: give a stack name or a TOML file"),
+    (["--set", "drafter.tokens=3"], "a drafter table names a drafter component (composite, eagle, ngram, "),
 ])
 def test_errors_are_one_line(capsys, tiny_stack, argv, message):
     _, stack = tiny_stack
@@ -317,3 +320,29 @@ def test_generate_ends_a_base_models_answer_at_the_next_user_turn(capsys, tiny_s
     assert tgt.turn_stops == ("\nUser:",)
     monkeypatch.setattr(tgt, "prompt_format", "<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
     assert tgt.turn_stops == ()
+
+
+def test_generate_labels_overrides_and_reports_failed_plugins(capsys, tiny_stack, monkeypatch):
+    """`--set drafter=none` runs plain decoding and says so; a plugin that failed to load is named
+    in one warning line even when the stack runs without it."""
+    import attrs
+
+    from conftest import builtin_registry
+    from dynaspec.runtime import registry as registry_mod
+
+    _, stack = tiny_stack
+    code, out, err = run(capsys, "generate", "Hi", "--stack", str(stack), "--max-new-tokens", "4",
+                         "--set", "drafter=none")
+    assert code == 0 and "[tiny with drafter=none] 4 new tokens, 0 cycles" in err
+    code, out, _ = run(capsys, "generate", "Hi", "--stack", str(stack), "--max-new-tokens", "4", "--json",
+                       "--set", "drafter=none")
+    data = json.loads(out)
+    assert (data["drafter"], data["set"], data["draft_steps"]) == ("none", ["drafter=none"], 0)
+    broken = builtin_registry()
+    broken.plugins.append(attrs.evolve(broken.plugins[0], name="shiny", distribution="shiny-plugin",
+                                       builtin=False, error="ImportError: no module named 'shiny'", components=()))
+    monkeypatch.setattr(registry_mod, "_DEFAULT", broken)
+    code, _, err = run(capsys, "generate", "Hi", "--stack", str(stack), "--max-new-tokens", "4")
+    assert code == 0
+    assert "dynaspec: warning: plugin shiny (shiny-plugin test) failed to load (ImportError: no module named " \
+           "'shiny'); whatever it provides is missing" in err

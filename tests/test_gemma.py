@@ -270,3 +270,28 @@ def test_fresh_conversion_matches_cache_and_damage_is_rebuilt(real_target, monke
         assert torch.equal(_logits(again, PROMPT), _logits(real_target, PROMPT))
         del again
     shutil.rmtree(tmp_path, ignore_errors=True)  # 2 GB; pytest would keep it for three runs
+
+
+def test_two_first_runs_convert_once(fake, capsys, monkeypatch):
+    """Two processes (here threads) that need the copy at once: one converts, the other waits for
+    the lock and loads what the first built."""
+    import threading
+
+    real = fake.convert
+
+    def slow(folder):
+        time.sleep(1.0)
+        real(folder)
+
+    monkeypatch.setattr(gemma, "_convert_into", slow)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(gemma.load_gemma_target())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert [r[0] for r in results] == ["target", "target"]
+    assert (fake.built, fake.loaded) == (1, 2)
+    assert "waiting for it" in capsys.readouterr().err
+    final = gemma.gemma_cache_dir()
+    assert [p.name for p in final.parent.iterdir()] == [final.name]

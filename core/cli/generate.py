@@ -95,7 +95,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                               ("max_new_tokens", args.max_new_tokens)) if v is not None})
     if any(not s for s in args.stop):
         raise InputError("--stop needs a non-empty text")
+    for plugin in registry.plugins:  # never silent: what a broken plugin provides is missing
+        if plugin.error:
+            print(f"dynaspec: warning: plugin {plugin.label} failed to load ({plugin.error}); whatever it "
+                  "provides is missing", file=sys.stderr)
     engine = Engine.from_stack(stack, registry=registry)
+    # the stack as run: its name, and the fields --set changed
+    label = stack.name + (f" with {', '.join(args.set)}" if args.set else "")
     stop = list(args.stop)
     if not args.raw:
         prompt = engine.target.format_prompt(prompt)
@@ -105,7 +111,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                   top_p=args.top_p, seed=args.seed, stop=stop)
     if args.json:
         result = engine.generate(prompt, **kwargs)
-        print(json.dumps(result.to_json(), ensure_ascii=False))
+        print(json.dumps({**result.to_json(), "drafter": stack.drafter_label, "set": list(args.set or [])},
+                         ensure_ascii=False))
         return 0
     stats = GenerationStats()
     for piece in engine.stream(prompt, stats=stats, **kwargs):
@@ -115,13 +122,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from dynaspec.runtime.stats import format_acceptance
 
     shortlist = (f"{stats.mean_shortlist_size:,.0f}" if stats.shortlist_size_per_depth else "-")
-    print(f"[{engine.stack.name}] {stats.new_tokens} new tokens, {stats.cycles} cycles, "
+    print(f"[{label}] {stats.new_tokens} new tokens, {stats.cycles} cycles, "
           f"mean accepted length {stats.mean_accepted_length:.2f}, mean shortlist {shortlist}, "
           f"{stats.tokens_per_second:.1f} tokens/s", file=sys.stderr)
     if stats.drafted_at:
-        print(f"[{engine.stack.name}] acceptance per draft position: {format_acceptance(stats.acceptance_per_position)}",
+        print(f"[{label}] acceptance per draft position: {format_acceptance(stats.acceptance_per_position)}",
               file=sys.stderr)
     if stats.exactness != "guaranteed":  # one line, so that a mismatch is never silent
-        print(f"[{engine.stack.name}] output equal to plain decoding is not guaranteed: {stats.exactness_reason}",
+        print(f"[{label}] output equal to plain decoding is not guaranteed: {stats.exactness_reason}",
               file=sys.stderr)
     return 0

@@ -145,7 +145,9 @@ def load_cached(final: Path, *, build: Callable[[Path], None], load: Callable[[P
     """``load(final)`` of a verified cache folder, building it first when it is missing or fails its
     checks (``problem``): ``build(tmp)`` fills a temporary folder beside ``final`` (its last step
     writes the manifest), which is then renamed into place, so a crash never leaves a half-built
-    copy behind. A copy that fails its checks or does not load is named, removed and rebuilt."""
+    copy behind. A copy that fails its checks or does not load is named, removed and rebuilt. One
+    process builds at a time (a file lock in the cache's ``locks`` folder): another that needs the same copy waits
+    for it, then loads what it built."""
     import sys
     import tempfile
 
@@ -154,33 +156,56 @@ def load_cached(final: Path, *, build: Callable[[Path], None], load: Callable[[P
     def say(msg: str) -> None:
         print(f"dynaspec: {msg}", file=sys.stderr, flush=True)
 
-    if final.exists():
-        why = problem(final)
-        if why is None:
-            try:
-                return load(final)
-            except Exception as exc:  # noqa: BLE001 - any failure means: rebuild
-                why = f"loading failed ({type(exc).__name__}: {exc})"
-        say(f"cached {label} copy at {final} is unusable: {why}; rebuilding")
-        remove_folder(final)
+    failed = None  # why the copy in place did not load, if it did not
+    if final.exists() and problem(final) is None:
+        try:
+            return load(final)
+        except Exception as exc:  # noqa: BLE001 - any failure means: rebuild (below, under the lock)
+            failed = f"loading failed ({type(exc).__name__}: {exc})"
     parent = final.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        sweep(parent, final.name)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
     except OSError as exc:
         raise ConfigError(f"cannot write the {label} cache under {parent} ({exc.strerror or exc}); "
                           "set DYNASPEC_CACHE_DIR to a writable folder") from None
-    say(f"converting {label} (one-time, {duration}; cached in {final})...")
+    from filelock import FileLock, Timeout
+
+    locks = cache_root() / "locks"
     try:
-        build(tmp)
+        locks.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        locks = parent
+    lock = FileLock(str(locks / f"{final.parent.name}-{final.name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        say(f"another process is building the {label} copy in {final}; waiting for it...")
+        lock.acquire()
+    try:
+        # built by the process this one waited for, or left over from before: checked again
+        if final.exists():
+            why = failed or problem(final)
+            if why is None:
+                try:
+                    return load(final)
+                except Exception as exc:  # noqa: BLE001 - any failure means: rebuild
+                    why = f"loading failed ({type(exc).__name__}: {exc})"
+            say(f"cached {label} copy at {final} is unusable: {why}; rebuilding")
+            remove_folder(final)
         try:
+            sweep(parent, final.name)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
+        except OSError as exc:
+            raise ConfigError(f"cannot write the {label} cache under {parent} ({exc.strerror or exc}); "
+                              "set DYNASPEC_CACHE_DIR to a writable folder") from None
+        say(f"converting {label} (one-time, {duration}; cached in {final})...")
+        try:
+            build(tmp)
             os.rename(tmp, final)
-        except OSError:
-            if problem(final) is not None:  # not a concurrent build that won the race
-                raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return load(final)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return load(final)
+        lock.release()

@@ -99,7 +99,12 @@ def drafter_component(ref: ComponentRef, registry) -> ComponentRef:
     if ref.name in registry.names("drafter"):
         return ref
     if ref.params:
-        registry.get("drafter", ref.name)  # raises, naming the drafter components
+        from dynaspec.errors import UnknownComponentError
+
+        raise UnknownComponentError(
+            f"unknown drafter '{ref.name}' (with parameters {', '.join(ref.kwargs)}): a drafter table names a "
+            f"drafter component ({', '.join(registry.names('drafter'))}); a trained drafter's artifact "
+            "goes in its 'artifact' parameter")
     return ComponentRef("trained", {"artifact": ref.name})
 
 

@@ -44,6 +44,10 @@ def _relative_to(data: dict[str, Any], folder: Path) -> dict[str, Any]:
 def _resolve_mapping(ref: str, registry: Registry, seen: tuple[str, ...]) -> dict[str, Any]:
     if ref in seen:
         raise ConfigError(f"stack 'base' cycle: {' -> '.join([*seen, ref])}")
+    if Path(ref).is_dir():
+        inside = sorted(p.name for p in Path(ref).glob("*.toml"))
+        raise ConfigError(f"stack '{ref}' is a folder: give a stack name or a TOML file"
+                          + (f" (this folder holds {', '.join(inside)})" if inside else ""))
     if _looks_like_file(ref):
         path = Path(ref)
         data = _relative_to(read_toml(path), path.parent)
