@@ -32,13 +32,13 @@ def _relative_to(data: dict[str, Any], folder: Path) -> dict[str, Any]:
     def fix(value: Any) -> Any:
         if isinstance(value, str) and value.startswith(("./", "../")):
             return str((folder / value).resolve())
+        if isinstance(value, list):  # e.g. a composite drafter's list of drafters
+            return [fix(v) for v in value]
+        if isinstance(value, dict):
+            return {k: fix(v) for k, v in value.items()}
         return value
 
-    out = {k: fix(v) if k in ("target", "drafter") else v for k, v in data.items()}
-    for key, value in data.items():
-        if isinstance(value, dict) and key not in ("draft", "decode"):
-            out[key] = {k: fix(v) for k, v in value.items()}
-    return out
+    return {k: (v if k in ("draft", "decode") else fix(v)) for k, v in data.items()}
 
 
 def _resolve_mapping(ref: str, registry: Registry, seen: tuple[str, ...]) -> dict[str, Any]:

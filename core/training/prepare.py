@@ -91,7 +91,9 @@ def _stack_toml(target_ref: str, drafter: str, clusters: int, command: str) -> s
             f'description = "the default stack on the artifacts prepared in this folder"\n'
             f'base = "default"\n'
             f"target = {json.dumps(target_ref)}\n"
-            f"drafter = {json.dumps(drafter)}\n"
+            f"[drafter]\n"
+            f'name = "composite"\n'
+            f"drafters = [{{name = \"ngram\", tokens = 7}}, {json.dumps(drafter)}]\n"
             f"[shortlister]\n"
             f'name = "dynaspec"\n'
             f'clusters = "./clusters"\n'
