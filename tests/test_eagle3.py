@@ -226,7 +226,11 @@ def test_prepare_trains_a_router_for_an_eagle3_drafter(tmp_path, monkeypatch):
     add = DraftTree.add
     monkeypatch.setattr(DraftTree, "add", lambda self, parent, token, logq: (drafted.append(token),
                                                                             add(self, parent, token, logq))[1])
-    spec = Engine.from_stack(str(tmp_path / "out" / "stack.toml"))
+    written = Engine.from_stack(str(tmp_path / "out" / "stack.toml"))
+    # the prepared stack drafts with prompt lookup first, then this drafter; the drafter alone here
+    assert written.stack.drafter.name == "composite" and written.drafter is not None
+    spec = Engine.from_stack(str(tmp_path / "out" / "stack.toml"), overrides={"drafter": str(folder)},
+                             target=written.target)
     assert spec.stack.shortlister.name == "dynaspec"
     for prompt in ([5, 6, 7, 8], [30, 31, 9]):
         result = spec.generate(prompt, max_new_tokens=20)
