@@ -8,8 +8,12 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from dynaspec.errors import ConfigError
-from dynaspec.runtime.drafters import (CompositeSource, DrafterContext, NeuralSource, NGramSource,
-                                       composite_parts)
+from dynaspec.runtime.drafters import (
+    CompositeSource,
+    DrafterContext,
+    NeuralSource,
+    NGramSource,
+)
 from dynaspec.runtime.hookspecs import hookimpl
 from dynaspec.runtime.params import is_text, param, positive_int, size_param
 from dynaspec.runtime.registry import Component
@@ -27,15 +31,13 @@ def _load(artifact: str, ctx: DrafterContext, *, eagle_only: bool):
     from dynaspec.runtime.drafter import check_drafter_shape
     from dynaspec.runtime.targets import load_drafter
 
-    target = ctx.target
-    model = ctx.model
-    if model is None:
-        key = ("drafter", artifact)
-        if key not in ctx.models:
-            ctx.models[key] = load_drafter(artifact, target, eagle_only=eagle_only)
-        model = ctx.models[key]
-    check_drafter_shape(model.cfg, target.fingerprint(), what=f"drafter '{artifact}'")
-    return model
+    if ctx.model is not None:  # loaded by the caller: loading checks the rest
+        check_drafter_shape(ctx.model.cfg, ctx.target.fingerprint(), what=f"drafter '{artifact}'")
+        return ctx.model
+    key = ("drafter", artifact)
+    if key not in ctx.models:
+        ctx.models[key] = load_drafter(artifact, ctx.target, eagle_only=eagle_only)
+    return ctx.models[key]
 
 
 def _trained(params: ModelParams, ctx: DrafterContext) -> NeuralSource:
@@ -78,7 +80,7 @@ class CompositeParams:
 
 
 def _composite(params: CompositeParams, ctx: DrafterContext) -> CompositeSource:
-    parts = composite_parts(params.drafters)
+    parts = list(params.drafters)  # checked by CompositeParams: two or more names or tables
     if any(isinstance(p, Mapping) and p.get("name") == "composite" or p == "composite" for p in parts):
         raise ConfigError("drafter 'composite': a composite cannot contain another composite")
     return CompositeSource([ctx.build(p) for p in parts], merge=ctx.draft.mode == "tree")

@@ -151,6 +151,7 @@ def test_per_position_acceptance_in_statistics():
 ], ids=["ngram", "composite"])
 def test_sampling_with_prompt_lookup_keeps_target_distribution(drafter):
     from test_sampling import VOCAB, chi2_pvalue
+
     from dynaspec.plugins.tiny import tiny_target
     from dynaspec.plugins.verifiers import sampling_distribution
     from dynaspec.runtime.drafter import Drafter, DrafterConfig

@@ -163,11 +163,15 @@ def load_cached(final: Path, *, build: Callable[[Path], None], load: Callable[[P
         except Exception as exc:  # noqa: BLE001 - any failure means: rebuild (below, under the lock)
             failed = f"loading failed ({type(exc).__name__}: {exc})"
     parent = final.parent
+
+    def unwritable(exc: OSError) -> ConfigError:
+        return ConfigError(f"cannot write the {label} cache under {parent} ({exc.strerror or exc}); "
+                           "set DYNASPEC_CACHE_DIR to a writable folder")
+
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"cannot write the {label} cache under {parent} ({exc.strerror or exc}); "
-                          "set DYNASPEC_CACHE_DIR to a writable folder") from None
+        raise unwritable(exc) from None
     from filelock import FileLock, Timeout
 
     locks = cache_root() / "locks"
@@ -197,8 +201,7 @@ def load_cached(final: Path, *, build: Callable[[Path], None], load: Callable[[P
             tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
             os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
         except OSError as exc:
-            raise ConfigError(f"cannot write the {label} cache under {parent} ({exc.strerror or exc}); "
-                              "set DYNASPEC_CACHE_DIR to a writable folder") from None
+            raise unwritable(exc) from None
         say(f"converting {label} (one-time, {duration}; cached in {final})...")
         try:
             build(tmp)

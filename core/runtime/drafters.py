@@ -25,7 +25,7 @@ Everything a drafter proposes is verified by the target, so no drafter can chang
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import attrs
 import torch
@@ -216,9 +216,9 @@ class NGramIndex:
             tree = DraftTree.with_root(self.text[-1])
             node = 0
             for token in proposal:
-                # a deterministic proposal: the one-point distribution at the token (for sampling)
-                tree.draft_probs[node] = (torch.tensor([token], device=tokens.device),
-                                          torch.ones(1, device=tokens.device))
+                if not verifier.prunes:  # sampling: the one-point distribution each child was drawn from
+                    tree.draft_probs[node] = (torch.tensor([token], device=tokens.device),
+                                              torch.ones(1, device=tokens.device))
                 node = tree.add(node, token, 0.0)
         return tree
 
@@ -282,10 +282,3 @@ def merge_trees(first: DraftTree, second: DraftTree) -> DraftTree:
             second.parents[node]])
     return out
 
-
-def composite_parts(value: Any) -> list[Any]:
-    """The ``drafters`` parameter of a composite as a list of references (names or tables)."""
-    if isinstance(value, (str, Mapping)) or not isinstance(value, Sequence) or len(value) < 2:
-        raise ConfigError(f"drafter 'composite': drafters = {value!r} is invalid: a list of at least two "
-                          "drafters (names or tables)")
-    return list(value)

@@ -442,38 +442,33 @@ class Engine:
             else:
                 tree = DraftTree.with_root(int(tokens[root_pos]))
             with stats.verification():
-                if len(tree) == 1:  # nothing drafted: one plain step
-                    stats.plain_cycles += 1
-                    with stats.timed("target_body"):
-                        hidden = target.forward(tokens[root_pos:n], torch.tensor([root_pos], device=device), cache,
-                                                layers=layers, strict=self.strict)
-                        hidden, fed = hidden if layers else (hidden, hidden)
-                    with stats.timed("verify_head"):
-                        path, bonus = [], self._first_token(hidden, verifier, params, generator)
-                else:
-                    with stats.timed("target_body"):
-                        chain = tree.is_chain
-                        hidden = target.forward(torch.tensor(tree.tokens, device=device),
-                                                root_pos + 1 + torch.tensor(tree.depths, device=device), cache,
-                                                tree_mask=None if chain else tree.attention_mask(device),
-                                                chain=chain, layers=layers, strict=self.strict)
-                        hidden, fed = hidden if layers else (hidden, hidden)
-                    with stats.timed("verify_head"):
+                drafted = len(tree) > 1  # else nothing drafted: the cycle is one plain step
+                with stats.timed("target_body"):
+                    chain = tree.is_chain  # a root alone is one plain step's row
+                    hidden = target.forward(torch.tensor(tree.tokens, device=device),
+                                            root_pos + 1 + torch.tensor(tree.depths, device=device), cache,
+                                            tree_mask=None if chain else tree.attention_mask(device),
+                                            chain=chain and drafted, layers=layers, strict=self.strict)
+                    hidden, fed = hidden if layers else (hidden, hidden)
+                with stats.timed("verify_head"):
+                    if drafted:
                         logits = PathLogits(target, hidden, tree, strict=self.strict)
                         path, bonus = verifier.verify(tree, logits, params, generator)
-                    stats.verify_products += logits.products
-                    stats.record_acceptance(max(tree.depths) + 1, len(path))
+                        stats.verify_products += logits.products
+                        stats.record_acceptance(max(tree.depths) + 1, len(path))
+                    else:  # plain decoding's own head (the certified greedy token)
+                        path, bonus = [], self._first_token(hidden, verifier, params, generator)
+                        stats.plain_cycles += 1
             with stats.timed("bookkeeping"):
                 keep = [0, *path]
-                if len(tree) > 1:
-                    target.keep(cache, root_pos, keep)
+                target.keep(cache, root_pos, keep)
                 if features is not None:
                     features[root_pos:root_pos + len(keep)] = fed[keep]
                 committed = [tree.tokens[node] for node in path] + [bonus]
                 tokens[n:n + len(committed)] = torch.tensor(committed, device=device)
                 n += len(committed)
             if gate is not None:
-                gate.record(drafted=len(tree) > 1, tokens=len(committed), seconds=time.perf_counter() - started,
+                gate.record(drafted=drafted, tokens=len(committed), seconds=time.perf_counter() - started,
                             verify_seconds=stats.verify_times[-1])
             chunk, done = self._finish(committed, produced, max_new)
             stats.accepted_lengths.append(len(chunk))  # what this cycle added to the output
