@@ -1,6 +1,8 @@
 """The embedded default against Hugging Face itself, in the default test run: `default`'s greedy
-output equals ``model.generate`` on the real Gemma 3 270M (in the dtype `default` runs in here),
-for a short prompt and for one longer than Gemma's 512-token sliding window.
+output on the dtype's own weights equals ``model.generate`` on the real Gemma 3 270M (in the dtype
+`default` runs in here), for a short prompt and for one longer than Gemma's 512-token sliding
+window; and `default` on its own weights setting (``auto``: quantised kernels) equals plain
+decoding (`baseline`) on the same weights.
 
 Loads the real target (about 10 s from the converted cache; the first run on a machine converts
 the GGUF first, about a minute)."""
@@ -22,7 +24,15 @@ def default_engine():
     from dynaspec.runtime.engine import Engine
 
     torch.set_num_threads(1)
-    return Engine.from_stack("default")
+    return Engine.from_stack("default", overrides={"weights": "dtype"})
+
+
+@pytest.fixture(scope="module")
+def auto_engines():
+    from dynaspec.runtime.engine import Engine
+
+    torch.set_num_threads(1)
+    return Engine.from_stacks(["baseline", "default"])
 
 
 def _hf_greedy(target, ids, n):
@@ -30,10 +40,13 @@ def _hf_greedy(target, ids, n):
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("text,new", [("Explain why the sky is blue.", 32),
-                                      ("".join(LONG.format(n=n, y=1700 + n) for n in range(14))
-                                       + "\nSummarise this history in two sentences.", 16)],
-                         ids=["short", "beyond-sliding-window"])
+CASES = pytest.mark.parametrize("text,new", [("Explain why the sky is blue.", 32),
+                                             ("".join(LONG.format(n=n, y=1700 + n) for n in range(14))
+                                              + "\nSummarise this history in two sentences.", 16)],
+                                 ids=["short", "beyond-sliding-window"])
+
+
+@CASES
 def test_default_equals_hugging_face_generate(default_engine, text, new):
     target = default_engine.target
     ids = target.tokenizer(target.format_prompt(text))["input_ids"]
@@ -42,3 +55,17 @@ def test_default_equals_hugging_face_generate(default_engine, text, new):
     result = default_engine.generate(ids, max_new_tokens=new)
     assert result.token_ids == _hf_greedy(target, ids, new)
     assert result.stats.cycles < new  # speculation really ran (some drafts were accepted)
+
+
+@CASES
+def test_default_on_its_weights_equals_plain_decoding_on_them(auto_engines, text, new):
+    from dynaspec.runtime.quantized import fbgemm_available
+
+    baseline, default = auto_engines
+    assert baseline.target is default.target
+    assert default.target.weights == ("int8-head" if fbgemm_available() else "dtype")
+    ids = default.target.tokenizer(default.target.format_prompt(text))["input_ids"]
+    result = default.generate(ids, max_new_tokens=new)
+    assert result.stats.exactness == "guaranteed"
+    assert result.token_ids == baseline.generate(ids, max_new_tokens=new).token_ids
+    assert result.stats.cycles < new

@@ -41,9 +41,9 @@ def parse_value(text: str) -> Any:
 
 
 def overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """Stack overrides from ``--dtype``, ``--device`` and every ``--set FIELD=VALUE``."""
+    """Stack overrides from ``--dtype``, ``--weights``, ``--device`` and every ``--set FIELD=VALUE``."""
     out: dict[str, Any] = {}
-    for field in ("dtype", "device"):
+    for field in ("dtype", "weights", "device"):
         if getattr(args, field, None):
             out[field] = getattr(args, field)
     for item in getattr(args, "set", None) or []:
@@ -87,6 +87,11 @@ def add_placement(parser: argparse.ArgumentParser) -> None:
                         help="the target's dtype (default: the stack's `dtype`; auto = bfloat16 where the "
                         "hardware computes it natively, else float32); the baseline it is compared with "
                         "always runs in the same dtype")
+    parser.add_argument("--weights", default=None, choices=["auto", "dtype", "float16", "int8-head"],
+                        help="what the target's decoder and LM head compute from (default: the stack's "
+                        "`weights`; auto = the fastest setting measured within 1%% of the target's own "
+                        "log-likelihood: int8-head for the built-in targets on x86, else dtype); the "
+                        "baseline it is compared with uses the same weights")
 
 
 def ensure_folder(path: str, what: str) -> None:

@@ -111,7 +111,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                   top_p=args.top_p, seed=args.seed, stop=stop)
     if args.json:
         result = engine.generate(prompt, **kwargs)
-        print(json.dumps({**result.to_json(), "drafter": stack.drafter_label, "set": list(args.set or [])},
+        print(json.dumps({**result.to_json(), "drafter": stack.drafter_label, "weights": engine.target.weights,
+                          "set": list(args.set or [])},
                          ensure_ascii=False))
         return 0
     stats = GenerationStats()
@@ -124,7 +125,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     shortlist = (f"{stats.mean_shortlist_size:,.0f}" if stats.shortlist_size_per_depth else "-")
     print(f"[{label}] {stats.new_tokens} new tokens, {stats.cycles} cycles, "
           f"mean accepted length {stats.mean_accepted_length:.2f}, mean shortlist {shortlist}, "
-          f"{stats.tokens_per_second:.1f} tokens/s", file=sys.stderr)
+          f"{stats.tokens_per_second:.1f} tokens/s, weights {engine.target.weights}", file=sys.stderr)
     if stats.drafted_at:
         print(f"[{label}] acceptance per draft position: {format_acceptance(stats.acceptance_per_position)}",
               file=sys.stderr)

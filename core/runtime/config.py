@@ -184,6 +184,16 @@ class StackConfig:
     #: compared with plain decoding (eval, bench) and its statistics say it is not guaranteed.
     #: A stack file that does not say is "required" for a chain and "observed" for a tree.
     exact: str = attrs.field(default="required")
+    #: Which weights the target computes from (its lean forward and LM head): "dtype" (the target
+    #: dtype's own), "float16" (2 bytes a weight), "int8-head" (float16 body, int8 LM head), or
+    #: "auto": the fastest of these whose quality was measured within bounds for this target (its
+    #: ``auto_weights``; "dtype" where nobody measured, or without FBGEMM's CPU kernels).
+    #: Speculative output equals plain decoding with the same weights; see dynaspec.runtime.quantized.
+    weights: str = attrs.field(default="auto")
+
+    @weights.validator
+    def _weights(self, _attribute, value):
+        _check("weights", value in WEIGHTS_CHOICES, value, f"must be one of {', '.join(WEIGHTS_CHOICES)}")
 
     @dtype.validator
     def _dtype(self, _attribute, value):
@@ -241,6 +251,7 @@ class StackConfig:
             "dtype": self.dtype,
             "device": self.device,
             "exact": self.exact,
+            "weights": self.weights,
         }
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> "StackConfig":
@@ -252,8 +263,10 @@ class StackConfig:
 
 
 _TOP_FIELDS = {"name", "description", "target", "drafter", "shortlister", "scheduler", "backend",
-               "verifier", "draft", "decode", "base", "dtype", "device", "exact"}
+               "verifier", "draft", "decode", "base", "dtype", "device", "exact", "weights"}
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+#: see StackConfig.weights and dynaspec.runtime.quantized
+WEIGHTS_CHOICES = ("auto", "dtype", "float16", "int8-head")
 EXACT_CHOICES = ("required", "observed")
 _COMPONENT_FIELDS = {"shortlister", "scheduler", "backend", "verifier", "drafter"}
 
@@ -307,7 +320,7 @@ def stack_from_mapping(data: Mapping[str, Any], *, source: str = "stack") -> Sta
         name=data["name"], target=data["target"], drafter=drafter,
         description=str(data.get("description", "")),
         draft=draft, decode=decode,
-        **{k: data[k] for k in ("dtype", "device", "exact") if k in data},
+        **{k: data[k] for k in ("dtype", "device", "exact", "weights") if k in data},
         **{k: data[k] for k in _COMPONENT_FIELDS - {"drafter"} if k in data},
     )
 

@@ -90,6 +90,14 @@ class Engine:
             target_fingerprint=target.fingerprint(), device=target.device,
             tokenizer=target.tokenizer, resolve_artifact=_resolve_artifact)
         # the numerics are set up here whoever built the target: the guarantee is never skipped
+        from dynaspec.runtime.quantized import resolve_weights
+
+        weights = resolve_weights(stack.weights, target.device, target.auto_weights)
+        if target.batch_invariance is None:
+            target.use_weights(weights)
+        elif target.weights != weights:
+            raise ConfigError(f"stack '{stack.name}' computes its target from weights = \"{weights}\", but the "
+                              f"target given uses \"{target.weights}\": load one target per weights setting")
         target.make_batch_invariant()
         # "required": the probed kernels, padded where that is what makes them invariant;
         # "observed": the same without padding (a plain step then costs one row, not several)
@@ -183,6 +191,7 @@ class Engine:
         """Resolve a stack (built-in name, plugin name or TOML file), load its target (unless given)
         and build its drafter and components (``drafter``: a drafter model already loaded;
         ``models``: drafter models shared with other engines)."""
+        from dynaspec.runtime.quantized import resolve_weights
         from dynaspec.runtime.stacks import resolve_stack
         from dynaspec.runtime.target import check_device, stack_dtype
         from dynaspec.runtime.targets import load_target
@@ -193,7 +202,7 @@ class Engine:
         dtype, device = stack_dtype(config), torch.device(config.device)
         if target is None:
             target = load_target(config.target, registry=registry).to(dtype=dtype, device=device)
-            target.make_batch_invariant()
+            target.use_weights(resolve_weights(config.weights, device, target.auto_weights)).make_batch_invariant()
         elif target.dtype != dtype or target.device.type != device.type:
             raise ConfigError(f"stack '{config.name}' runs its target in {config.dtype} on "
                               f"{config.device}, but the target given is {target.dtype} on "
@@ -218,7 +227,7 @@ class Engine:
         for ref in stacks:
             config = resolve_stack(ref, overrides=overrides, registry=registry)
             placed = (stack_dtype(config), torch.device(config.device).type)
-            key = (config.target, *placed)
+            key = (config.target, *placed, config.weights)
             engine = cls.from_stack(config, registry=registry, target=targets.get(key) or given.get(placed),
                                     models=models.setdefault(key, {}))
             targets[key] = engine.target

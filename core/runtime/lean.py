@@ -30,10 +30,11 @@ import torch
 import torch.nn.functional as F
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
-#: makes the products of one weight: (strict, relaxed) kernels for the rows of plain steps and
-#: verifications (strict: rows never depend on the row count; relaxed: the same, unless that costs
-#: padding, see ``TargetModel.make_batch_invariant``)
-LinearFactory = Callable[[torch.Tensor, "torch.Tensor | None"], tuple[Linear, Linear]]
+#: makes the products of one weight: (strict, relaxed, any rows). The first two are kernels for the
+#: rows of plain steps and verifications (strict: rows never depend on the row count; relaxed: the
+#: same, unless that costs padding, see ``TargetModel.make_batch_invariant``); the third is for a
+#: prefill, which plain and speculative decoding compute alike (the same weights, any kernel)
+LinearFactory = Callable[[torch.Tensor, "torch.Tensor | None"], tuple[Linear, Linear, Linear]]
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -45,10 +46,10 @@ def stock_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Line
     return lambda x: F.linear(x, weight, bias)
 
 
-def stock_linears(weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[Linear, Linear]:
-    """The stock kernel as both the strict and the relaxed product (no probe)."""
+def stock_linears(weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[Linear, Linear, Linear]:
+    """The stock kernel as every product (no probe)."""
     fn = stock_linear(weight, bias)
-    return fn, fn
+    return fn, fn, fn
 
 
 def lean_support(model) -> str | None:
@@ -109,14 +110,11 @@ class _Layer:
         self.qkv_weight = _fuse(parts, "weight")
         self.qkv_bias = _fuse(parts, "bias") if attn.q_proj.bias is not None else None
         self.gate_up_weight = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
-        # each product as (strict, relaxed, any rows): the first two are the probe's choices for
-        # plain steps and verifications (see LinearFactory); the third the stock kernel, for a
-        # prefill, which plain and speculative decoding compute alike
-        self.qkv = (*linear(self.qkv_weight, self.qkv_bias), stock_linear(self.qkv_weight, self.qkv_bias))
-        self.o = (*linear(attn.o_proj.weight, attn.o_proj.bias), stock_linear(attn.o_proj.weight, attn.o_proj.bias))
-        self.gate_up = (*linear(self.gate_up_weight, None), stock_linear(self.gate_up_weight, None))
-        self.down = (*linear(mlp.down_proj.weight, mlp.down_proj.bias), stock_linear(mlp.down_proj.weight,
-                                                                                     mlp.down_proj.bias))
+        # each product as (strict, relaxed, any rows), see LinearFactory
+        self.qkv = linear(self.qkv_weight, self.qkv_bias)
+        self.o = linear(attn.o_proj.weight, attn.o_proj.bias)
+        self.gate_up = linear(self.gate_up_weight, None)
+        self.down = linear(mlp.down_proj.weight, mlp.down_proj.bias)
         self.intermediate = mlp.gate_proj.weight.shape[0]
         if family == "gemma3":  # Gemma's norms scale by (1 + w) in float32, then round once
             self.norms = [(1.0 + n.weight.float()) for n in (layer.input_layernorm, layer.post_attention_layernorm,

@@ -176,6 +176,11 @@ class TargetModel:
             raise ConfigError(f"target '{name}' declares the lean forward, which does not cover it: {problem}")
         self.forward_kind = "generic" if forward == "generic" or problem else "lean"
         self._lean = None  # built at the first forward, after the final cast (see _lean_decoder)
+        #: which weights the lean forward and the head compute from (see :meth:`use_weights`)
+        self.weights = "dtype"
+        #: what ``weights = "auto"`` means for this target: the fastest setting whose quality was
+        #: measured within bounds (scripts/weights_quality.py); "dtype" until someone measures it
+        self.auto_weights = "dtype"
 
     def _refresh(self) -> None:
         head = self.model.get_output_embeddings()
@@ -203,35 +208,66 @@ class TargetModel:
         self._lean = None
         return self
 
+    def use_weights(self, kind: str) -> "TargetModel":
+        """Compute the lean forward and the LM head from weights of ``kind`` (returns ``self``):
+        ``dtype`` (the target dtype's own), ``float16`` or ``int8-head``
+        (:mod:`dynaspec.runtime.quantized`; a resolved setting, not ``auto``). Call it after the
+        final :meth:`to` and before :meth:`make_batch_invariant`."""
+        from dynaspec.runtime.quantized import WEIGHTS_CHOICES
+
+        if kind not in WEIGHTS_CHOICES or kind == "auto":
+            raise ConfigError(f"weights {kind!r}: one of {', '.join(w for w in WEIGHTS_CHOICES if w != 'auto')}")
+        if kind == self.weights:
+            return self
+        if self.batch_invariance is not None:
+            raise ConfigError("choose the target's weights before make_batch_invariant(), not after")
+        if kind != "dtype" and self.forward_kind != "lean":
+            raise ConfigError(f"weights = \"{kind}\" runs through the lean forward, which target '{self.name}' "
+                              "does not use: use weights = \"dtype\"")
+        self.weights = kind
+        return self
+
     def make_batch_invariant(self) -> dict[str, str]:
         """Patch the target's linear layers whose kernels round differently for different row
         counts (:mod:`dynaspec.runtime.batch_invariance`), so a verified row equals the plain step's row;
         returns and keeps (``batch_invariance``) the verdict per layer shape. Call it after the
-        final :meth:`to`; it runs once.
+        final :meth:`to` (and :meth:`use_weights`); it runs once.
 
         Where no K-split helps, the lean forward's products and its LM head pad plain steps to the
         fewest rows whose kernel every larger row count shares (exact, but a plain step then costs
         a product of several rows); the Hugging Face modules' products stay ``variant`` there.
         These are the *strict* kernels; the *relaxed* ones (``strict=False`` in :meth:`forward`
         and :meth:`logits`, for stacks with ``exact = "observed"``) are the same but the stock
-        kernel where the strict one pads."""
+        kernel where the strict one pads. With quantised weights (:meth:`use_weights`) the lean
+        forward and the head use those kernels, probed the same way
+        (:func:`dynaspec.runtime.quantized.quantized_linear`)."""
         if self.batch_invariance is None:
             from dynaspec.runtime.batch_invariance import (
                 install_rowwise_attention,
                 invariant_linear,
                 make_batch_invariant,
             )
+            from dynaspec.runtime.quantized import quantized_linear
 
             lean = self.forward_kind == "lean"
+            body_kind = {"dtype": None, "float16": "float16", "int8-head": "float16"}[self.weights]
+            head_kind = {"dtype": None, "float16": "float16", "int8-head": "int8"}[self.weights]
             report = make_batch_invariant(self.decoder)
-            verdict, head = invariant_linear(self.lm_head_weight, self.lm_head_bias, rows=HEAD_PROBE_ROWS, pad=lean)
-            report["lm_head " + "x".join(map(str, self.lm_head_weight.shape))] = verdict
-            # the probed kernel, also where it is stock: the float32 head otherwise takes the tall
-            # product for several rows, a kernel of its own that the probe did not see
-            self._head = head if head is not None or verdict != "stock" else functools.partial(
-                F.linear, weight=self.lm_head_weight, bias=self.lm_head_bias)
-            self._relaxed_head = None if verdict.startswith("pad") else self._head
-            self._certify = _certificate(self, verdict)
+            head_name = "lm_head " + "x".join(map(str, self.lm_head_weight.shape))
+            if head_kind is None:
+                verdict, head = invariant_linear(self.lm_head_weight, self.lm_head_bias, rows=HEAD_PROBE_ROWS,
+                                                 pad=lean)
+                # the probed kernel, also where it is stock: the float32 head otherwise takes the tall
+                # product for several rows, a kernel of its own that the probe did not see
+                self._head = head if head is not None or verdict != "stock" else functools.partial(
+                    F.linear, weight=self.lm_head_weight, bias=self.lm_head_bias)
+                self._relaxed_head = None if verdict.startswith("pad") else self._head
+                self._certify = _certificate(self, verdict)
+            else:
+                verdict, self._head, self._relaxed_head = quantized_linear(
+                    head_kind, self.lm_head_weight, self.lm_head_bias, rows=max(HEAD_PROBE_ROWS))
+                self._certify = None
+            report[head_name] = verdict
             self._rowwise = install_rowwise_attention(self.model)
             report["attention"] = "row-wise for chains" if self._rowwise else "variant"
             if lean:
@@ -240,11 +276,15 @@ class TargetModel:
                 from dynaspec.runtime.lean import stock_linear
 
                 def linear(weight, bias):
-                    verdict, fn = invariant_linear(weight, bias, pad=True)
                     shape = "x".join(map(str, weight.shape)) + " " + str(weight.dtype).removeprefix("torch.")
+                    if body_kind is not None:
+                        verdict, strict, relaxed = quantized_linear(body_kind, weight, bias)
+                        report[f"lean {shape}"] = verdict
+                        return strict, relaxed, relaxed
+                    verdict, fn = invariant_linear(weight, bias, pad=True)
                     report[f"lean {shape}"] = verdict
                     stock = stock_linear(weight, bias)
-                    return fn or stock, stock if verdict.startswith("pad") else fn or stock
+                    return fn or stock, stock if verdict.startswith("pad") else fn or stock, stock
 
                 self._lean = self._build_lean(linear)
                 report["attention"] = "row-wise for chains"

@@ -1,0 +1,151 @@
+"""Quantised target weights (float16, int8 head): the kernels compute the product, their rows do not
+depend on the batch, and speculative output equals plain decoding with the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import builtin_registry, random_drafter, trained_drafter
+from dynaspec.errors import ConfigError
+from dynaspec.runtime import quantized as q
+from dynaspec.runtime.config import stack_from_mapping
+from dynaspec.runtime.engine import Engine
+
+pytestmark = pytest.mark.skipif(not q.fbgemm_available(), reason="FBGEMM's kernels are x86-only")
+
+
+@pytest.fixture(autouse=True)
+def _verdicts(tmp_path, monkeypatch):
+    monkeypatch.setenv("DYNASPEC_VERDICTS_FILE", str(tmp_path / "verdicts.json"))
+
+
+def _weight(n=96, k=64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=gen) * 0.05, torch.randn(n, generator=gen)
+
+
+def test_float16_product_is_the_product_of_float16_weights():
+    weight, bias = _weight()
+    x = torch.randn(5, 64)
+    got = q.Float16Linear(weight, bias)(x)
+    want = F.linear(x.double(), weight.half().double(), bias.double())
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_product_is_close_and_each_row_is_its_own():
+    weight, bias = _weight()
+    kernel = q.Int8Linear(weight, bias)
+    x = torch.randn(4, 64)
+    exact = F.linear(x, weight, bias)
+    got = kernel(x)
+    assert ((got - exact).norm() / exact.norm()) < 0.03  # 7-bit rows, 8-bit weights
+    # a row's result never depends on the rows beside it, even one a million times larger: a plain
+    # per-tensor dynamic quantisation would crush the small rows to zero here
+    loud = torch.cat([x, 1e6 * torch.randn(1, 64)])
+    assert torch.equal(kernel(loud)[:4], got)
+    for i in range(4):
+        assert torch.equal(kernel(x[i:i + 1]), got[i:i + 1])
+    # the quantised weight the kernel reads is within half a step of the weight
+    step = weight.abs().amax(dim=1, keepdim=True) / 127
+    assert ((kernel.quantised_weight() - weight).abs() <= step / 2 + 1e-7).all()
+
+
+def test_probe_finds_the_good_row_counts():
+    weight, _ = _weight()
+
+    def rowwise(x):  # one row at a time: invariant by construction
+        return torch.cat([F.linear(x[i:i + 1], weight) for i in range(x.shape[0])])
+
+    def odd(x):  # a kernel that rounds differently for 1, 2 and 7 rows
+        y = rowwise(x)
+        return y + 1e-3 if x.shape[0] in (1, 2, 7) else y
+
+    assert q.probe_quantized(odd, 64, weight, rows=9) == "pad-to 3,4,5,6,8,9"
+    fixed = q.padded(odd, (3, 4, 5, 6, 8, 9))
+    x = torch.randn(9, 64)
+    for rows in range(1, 10):
+        assert torch.equal(fixed(x[:rows]), rowwise(x[:rows]))
+    assert q.probe_quantized(rowwise, 64, weight, rows=6) == "stock"
+    assert q.probe_quantized(lambda x: rowwise(x) * (1 + 1e-3 * x.shape[0]), 64, weight, rows=6) == "variant"
+    assert q.probe_quantized(q.Int8Linear(weight), 64, weight) == "stock"
+
+
+def test_quantized_linear_remembers_and_names_its_kind():
+    weight, bias = _weight(n=48, k=32)
+    verdict, strict, relaxed = q.quantized_linear("int8", weight, bias)
+    assert verdict == "stock (int8)" and strict is relaxed
+    verdict16, strict16, _ = q.quantized_linear("float16", weight, bias)
+    assert verdict16.endswith("(float16)")
+    x = torch.randn(16, 32)
+    whole = strict16(x)
+    for rows in range(1, 17):  # strict: every row as in any other row count
+        assert torch.equal(strict16(x[:rows]), whole[:rows])
+
+
+def test_weights_settings_are_checked():
+    assert q.resolve_weights("auto") == "dtype"  # a target nobody measured keeps its own weights
+    assert q.resolve_weights("auto", measured="int8-head") == "int8-head"
+    assert q.resolve_weights("dtype") == "dtype"
+    with pytest.raises(ConfigError, match="weights 'int4'"):
+        q.resolve_weights("int4")
+    with pytest.raises(ConfigError, match="weights"):
+        stack_from_mapping({"name": "s", "target": "tiny-llama", "weights": "int4"})
+    assert stack_from_mapping({"name": "s", "target": "tiny-llama", "weights": "float16"}).to_dict()[
+        "weights"] == "float16"
+
+
+def _target(kind, weights):
+    from dynaspec.plugins.tiny import tiny_target
+
+    return tiny_target(kind).use_weights(weights)
+
+
+@pytest.mark.parametrize("weights", ["float16", "int8-head"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_speculative_equals_plain_decoding_with_the_same_weights(kind, weights):
+    registry = builtin_registry()
+    target = _target(kind, weights)
+    common = {"name": "t", "target": f"tiny-{kind}", "weights": weights}
+    plain = Engine(stack_from_mapping({**common, "drafter": None}), target, registry=registry)
+    report = target.batch_invariance
+    assert any(v.endswith("(float16)") for k, v in report.items() if k.startswith("lean "))
+    assert report[next(k for k in report if k.startswith("lm_head"))].endswith(
+        "(int8)" if weights == "int8-head" else "(float16)")
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 99, (int(torch.randint(2, 10, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(3)]
+    for drafter, depth in ((trained_drafter(kind), 3), (trained_drafter(kind), 6), (random_drafter(kind), 4)):
+        spec = Engine(stack_from_mapping({**common, "drafter": "in-memory", "draft": {"mode": "chain", "depth": depth}}),
+                      target, drafter, registry=registry)
+        assert spec.exactness == "guaranteed", spec.exactness_reason
+        for prompt in prompts:
+            want = plain.generate(prompt, max_new_tokens=32).token_ids
+            got = spec.generate(prompt, max_new_tokens=32)
+            assert got.token_ids == want, (kind, weights, depth, prompt)
+            assert got.stats.new_tokens == 32
+
+
+def test_a_target_serves_only_its_own_weights():
+    registry = builtin_registry()
+    target = _target("llama", "float16")
+    Engine(stack_from_mapping({"name": "a", "target": "tiny-llama", "weights": "float16"}), target,
+           registry=registry)
+    with pytest.raises(ConfigError, match="one target per weights setting"):
+        Engine(stack_from_mapping({"name": "b", "target": "tiny-llama", "weights": "dtype"}), target,
+               registry=registry)
+    with pytest.raises(ConfigError, match="before make_batch_invariant"):
+        target.use_weights("int8-head")
+
+
+def test_packing_in_row_blocks_computes_the_same_product(monkeypatch):
+    weight, bias = _weight(n=100, k=64)
+    x = torch.randn(3, 64)
+    whole8, whole16 = q.Int8Linear(weight, bias)(x), q.Float16Linear(weight, bias)(x)
+    monkeypatch.setattr(q, "PACK_ROWS", 32)
+    blocked8, blocked16 = q.Int8Linear(weight, bias), q.Float16Linear(weight, bias)
+    assert len(blocked8.packed) == len(blocked16.packed) == 4  # 32 + 32 + 32 + 4 rows
+    assert torch.equal(blocked8(x), whole8)  # integer sums: exact whatever the blocking
+    assert torch.allclose(blocked16(x), whole16, rtol=1e-5, atol=1e-5)
+    assert blocked8.quantised_weight().shape == weight.shape
