@@ -7,11 +7,15 @@ one row is a class of its own, plain steps and verifications round differently u
 numerics probe pads (see ``dynaspec.runtime.batch_invariance``); the times say what padding costs.
 
     python scripts/rows_cost.py --target gemma3-270m --dtype float32 --threads 1
+
+``--kernel float16`` or ``--kernel int8`` times the products of ``weights = "float16"`` and of
+the int8 head instead (``dynaspec.runtime.quantized``), on the same weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -22,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--kernel", default="float", choices=["float", "float16", "int8"],
+                        help="float: F.linear in the dtype; float16 / int8: the quantised kernels")
     args = parser.parse_args(argv)
 
     import torch
@@ -38,22 +44,29 @@ def main(argv: list[str] | None = None) -> int:
               "lm head": target.lm_head_weight}
     rows = (1, 2, 3, 4, 6, 8)
     gen = torch.Generator().manual_seed(0)
-    print(f"{target.name}, {args.dtype}, {args.threads} thread(s), {torch.backends.cpu.get_cpu_capability()}")
+    print(f"{target.name}, {args.dtype}, {args.kernel} kernel, {args.threads} thread(s), "
+          f"{torch.backends.cpu.get_cpu_capability()}")
     print("| product | shape | " + " | ".join(f"{r} row{'s' if r > 1 else ''}, ms" for r in rows)
           + " | row counts that agree (1..16) |")
     print("|---|---|" + "---|" * len(rows) + "---|")
     with torch.inference_mode():
         for name, weight in shapes.items():
             x = torch.randn(16, weight.shape[1], generator=gen).to(weight.dtype)
+            if args.kernel == "float":
+                product = functools.partial(F.linear, weight=weight)
+            else:
+                from dynaspec.runtime.quantized import make_kernel
+
+                product = make_kernel(args.kernel, weight)
             times = []
             for r in rows:
                 samples = []
                 for _ in range(args.repeats):
                     start = time.perf_counter()
-                    F.linear(x[:r], weight)
+                    product(x[:r])
                     samples.append(time.perf_counter() - start)
                 times.append(1e3 * statistics.median(samples))
-            out = {m: F.linear(x[:m], weight) for m in range(1, 17)}
+            out = {m: product(x[:m]) for m in range(1, 17)}
             classes: list[list[int]] = []
             for m in range(1, 17):
                 for cls in classes:

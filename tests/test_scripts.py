@@ -75,3 +75,31 @@ def test_drafter_curve_names_each_extras_stack(tmp_path):
     wrong = _run("--out", str(tmp_path / "curve"), *args, "--extra", *f, "--extra", *g,
                  "--extra-stack", "chain-F", "--extra-stack", "chain-G", "--extra-stack", "x")
     assert wrong.returncode != 0 and "3 --extra-stack for 2 --extra" in wrong.stderr
+
+
+def test_llama_cpp_compare_reads_llama_cpps_timings(tmp_path):
+    """scripts/llama_cpp_compare.py parses llama-completion's own timing lines (as this build prints
+    them) into tokens/s with and without the prefill."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("llama_cpp_compare", ROOT / "scripts" / "llama_cpp_compare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fake = tmp_path / "llama-completion"
+    fake.write_text("#!/bin/sh\nprintf ' the answer'\ncat >&2 <<'END'\n"
+                    "0.04.941.701 I common_perf_print:        load time =     876.32 ms\n"
+                    "0.04.941.720 I common_perf_print: prompt eval time =     200.00 ms /    13 tokens "
+                    "(   14.22 ms per token,    70.34 tokens per second)\n"
+                    "0.04.941.738 I common_perf_print:        eval time =    1800.00 ms /    63 runs   "
+                    "(   38.02 ms per token,    26.30 tokens per second)\n"
+                    "0.04.941.754 I common_perf_print:       total time =    2674.84 ms /    76 tokens\nEND\n")
+    fake.chmod(0o755)
+    run = module.run_llama(str(fake), tmp_path / "model.gguf", "prompt", 64, 1)
+    assert run["text"] == " the answer"
+    assert run["tokens"] == 64  # 63 decoding runs after the token the prompt's evaluation gives
+    assert run["tps"] == pytest.approx(64 / 2.0)
+    assert run["decode_tps"] == pytest.approx(63 / 1.8)
+    assert module.common_prefix("abcd", "abxy") == 2
+    fake.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
+    with pytest.raises(SystemExit, match="llama.cpp failed"):
+        module.run_llama(str(fake), tmp_path / "model.gguf", "prompt", 8, 1)
