@@ -37,9 +37,7 @@ def main(argv: list[str] | None = None) -> int:
             samples.append(time.perf_counter() - start)
         return 1e3 * statistics.median(samples)
 
-    print(f"{args.target}, {args.threads} thread(s), {torch.backends.cpu.get_cpu_capability()}")
-    print("| weights | body, 1 row | body, 4 rows | head, 1 row | head, 4 rows | plain step |\n|---|---|---|---|---|---|")
-    for weights in args.weights.split(","):
+    def measure(weights: str) -> list[float]:
         target = load_target(args.target).use_weights(weights)
         target.make_batch_invariant()
         ids = torch.tensor(target.tokenizer(target.format_prompt("Explain why the sky is blue."))["input_ids"])
@@ -56,9 +54,14 @@ def main(argv: list[str] | None = None) -> int:
         for rows in (1, 4):
             hidden = torch.randn(rows, target.hidden_size)
             cells.append(median_ms(lambda hidden=hidden: target.logits(hidden)))
+        return cells
+
+    print(f"{args.target}, {args.threads} thread(s), {torch.backends.cpu.get_cpu_capability()}")
+    print("| weights | body, 1 row | body, 4 rows | head, 1 row | head, 4 rows | plain step |\n|---|---|---|---|---|---|")
+    for weights in args.weights.split(","):
+        cells = measure(weights)
         print(f"| {weights} | " + " | ".join(f"{c:.1f}" for c in cells) + f" | {cells[0] + cells[2]:.1f} |",
               flush=True)
-        del target
     return 0
 
 
