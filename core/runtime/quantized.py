@@ -33,6 +33,7 @@ like the float ones (:func:`dynaspec.runtime.batch_invariance.invariant_linear`)
 
 from __future__ import annotations
 
+import abc
 import warnings
 from typing import Callable
 
@@ -77,7 +78,7 @@ def _blocks(weight: torch.Tensor) -> list[torch.Tensor]:
     return [weight[i:i + PACK_ROWS] for i in range(0, weight.shape[0], PACK_ROWS)]
 
 
-class _Packed:
+class _Packed(abc.ABC):
     """A product over FBGEMM-packed row blocks of one weight (see :data:`PACK_ROWS`)."""
 
     kind = ""
@@ -88,11 +89,13 @@ class _Packed:
             self.packed = [self._pack(block.detach().float()) for block in _blocks(weight)]
         self.bias = None if bias is None else bias.detach().float()
 
+    @abc.abstractmethod
     def _pack(self, block: torch.Tensor):
-        raise NotImplementedError
+        """One float32 block of the weight in the kernel's packed form."""
 
+    @abc.abstractmethod
     def _product(self, rows: torch.Tensor, packed) -> torch.Tensor:
-        raise NotImplementedError
+        """The kernel's product of 2-D float32 ``rows`` with one packed block."""
 
     def _products(self, rows: torch.Tensor) -> torch.Tensor:
         if len(self.packed) == 1:
