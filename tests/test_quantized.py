@@ -74,8 +74,8 @@ def test_probe_finds_the_good_row_counts():
 
 def test_quantized_linear_remembers_and_names_its_kind():
     weight, bias = _weight(n=48, k=32)
-    verdict, strict, relaxed = q.quantized_linear("int8", weight, bias)
-    assert verdict == "stock (int8)" and strict is relaxed
+    verdict, strict, relaxed = q.quantized_linear("int8-dynamic", weight, bias)
+    assert verdict == "stock (int8-dynamic)" and strict is relaxed
     verdict16, strict16, _ = q.quantized_linear("float16", weight, bias)
     assert verdict16.endswith("(float16)")
     x = torch.randn(16, 32)
@@ -102,17 +102,33 @@ def _target(kind, weights):
     return tiny_target(kind).use_weights(weights)
 
 
-@pytest.mark.parametrize("weights", ["float16", "int8-head"])
+def _int8_runs():
+    from dynaspec.runtime.q8 import available
+
+    return available() is None
+
+
+WEIGHTS = ["float16", "int8-head",
+           pytest.param("int8", marks=pytest.mark.skipif(not _int8_runs(), reason="the int8 kernel does not build"))]
+KERNELS = {"float16": ("float16", "float16"), "int8-head": ("float16", "int8-dynamic"), "int8": ("int8", "int8")}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
-def test_speculative_equals_plain_decoding_with_the_same_weights(kind, weights):
+def test_speculative_equals_plain_decoding_with_the_same_weights(kind, weights, dtype):
+    from dynaspec.plugins.tiny import tiny_target
+
     registry = builtin_registry()
-    target = _target(kind, weights)
-    common = {"name": "t", "target": f"tiny-{kind}", "weights": weights}
+    target = tiny_target(kind).to(dtype=dtype).use_weights(weights)
+    common = {"name": "t", "target": f"tiny-{kind}", "weights": weights, "dtype": dtype}
     plain = Engine(stack_from_mapping({**common, "drafter": None}), target, registry=registry)
     report = target.batch_invariance
-    assert any(v.endswith("(float16)") for k, v in report.items() if k.startswith("lean "))
-    assert report[next(k for k in report if k.startswith("lm_head"))].endswith(
-        "(int8)" if weights == "int8-head" else "(float16)")
+    body, head = KERNELS[weights]
+    assert all(v.endswith(f"({body})") for k, v in report.items() if k.startswith("lean "))
+    assert report[next(k for k in report if k.startswith("lm_head"))].endswith(f"({head})")
+    if weights == "int8":
+        assert all(v.startswith("stock") for k, v in report.items() if k.startswith(("lean ", "lm_head")))
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 99, (int(torch.randint(2, 10, (1,), generator=gen)),), generator=gen).tolist()
                for _ in range(3)]

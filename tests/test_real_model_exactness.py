@@ -59,11 +59,13 @@ def test_default_equals_hugging_face_generate(default_engine, text, new):
 
 @CASES
 def test_default_on_its_weights_equals_plain_decoding_on_them(auto_engines, text, new):
+    from dynaspec.runtime.q8 import available
     from dynaspec.runtime.quantized import fbgemm_available
 
     baseline, default = auto_engines
     assert baseline.target is default.target
-    assert default.target.weights == ("int8-head" if fbgemm_available() else "dtype")
+    assert default.target.weights == ("int8" if available() is None else
+                                      "int8-head" if fbgemm_available() else "dtype")
     ids = default.target.tokenizer(default.target.format_prompt(text))["input_ids"]
     result = default.generate(ids, max_new_tokens=new)
     assert result.stats.exactness == "guaranteed"

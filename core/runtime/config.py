@@ -185,9 +185,11 @@ class StackConfig:
     #: A stack file that does not say is "required" for a chain and "observed" for a tree.
     exact: str = attrs.field(default="required")
     #: Which weights the target computes from (its lean forward and LM head): "dtype" (the target
-    #: dtype's own), "float16" (2 bytes a weight), "int8-head" (float16 body, int8 LM head), or
-    #: "auto": the fastest of these whose quality was measured within bounds for this target (its
-    #: ``auto_weights``; "dtype" where nobody measured, or without FBGEMM's CPU kernels).
+    #: dtype's own), "float16" (2 bytes a weight), "int8-head" (float16 body, int8 LM head with
+    #: 7-bit activations), "int8" (1 byte a weight everywhere, activations in the dtype; this
+    #: project's kernel, compiled at first use), or "auto": the fastest of these whose quality was
+    #: measured within bounds for this target (its ``auto_weights``; "dtype" where nobody measured,
+    #: or where no kernel for it runs).
     #: Speculative output equals plain decoding with the same weights; see dynaspec.runtime.quantized.
     weights: str = attrs.field(default="auto")
 
@@ -266,7 +268,7 @@ _TOP_FIELDS = {"name", "description", "target", "drafter", "shortlister", "sched
                "verifier", "draft", "decode", "base", "dtype", "device", "exact", "weights"}
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 #: see StackConfig.weights and dynaspec.runtime.quantized
-WEIGHTS_CHOICES = ("auto", "dtype", "float16", "int8-head")
+WEIGHTS_CHOICES = ("auto", "dtype", "float16", "int8-head", "int8")
 EXACT_CHOICES = ("required", "observed")
 _COMPONENT_FIELDS = {"shortlister", "scheduler", "backend", "verifier", "drafter"}
 

@@ -129,9 +129,11 @@ class _Layer:
 class LeanDecoder:
     """The decoder of a Hugging Face Llama / Qwen 2 / Gemma 3 model as plain tensor code (see the
     module docstring). Build it after the model's final cast and move; ``linear`` makes the product
-    of each weight (the numerics probe's choice of kernel)."""
+    of each weight (the numerics probe's choice of kernel). ``c_norm``: RMS norms through the
+    compiled kernel (:func:`dynaspec.runtime.q8.rms_norm`, one call instead of some eight tensor
+    operations; row-wise like the rest), on a CPU where it builds; used with ``weights = "int8"``."""
 
-    def __init__(self, model, linear: LinearFactory = stock_linears) -> None:
+    def __init__(self, model, linear: LinearFactory = stock_linears, *, c_norm: bool = False) -> None:
         problem = lean_support(model)
         if problem is not None:
             raise ValueError(f"no lean forward for this target: {problem}")
@@ -157,6 +159,18 @@ class LeanDecoder:
         self.embedding = decoder.embed_tokens
         self.dtype = decoder.norm.weight.dtype
         self.device = decoder.norm.weight.device
+        self._c_norm = None
+        if c_norm and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
+            from dynaspec.runtime import q8
+
+            if q8.available() is None:
+                self._c_norm = q8.rms_norm
+                # float32 copies of Llama's norm weights (they multiply the rounded row exactly so)
+                for layer in self.layers:
+                    layer.norms = [n if n.dtype == torch.float32 else n.float() for n in layer.norms]
+                    if layer.qk_norm is not None:
+                        layer.qk_norm = tuple(n.float() for n in layer.qk_norm)
+                self.final_norm = self.final_norm.float()
         # rotary frequencies exactly as the model holds them, one set per layer type
         rotary = decoder.rotary_emb
         self._inv_freq = {}
@@ -171,6 +185,8 @@ class LeanDecoder:
 
     # -- pieces ------------------------------------------------------------------------------------
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._c_norm is not None:
+            return self._c_norm(x, weight.contiguous(), self.eps, round_first=self.family != "gemma3")
         if self.family == "gemma3":
             return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).to(x.dtype)
         return weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)

@@ -1,14 +1,19 @@
-"""The target's weights in fewer bytes on a CPU: float16 and int8 products from FBGEMM.
+"""The target's weights in fewer bytes on a CPU: float16 and int8 products.
 
 On a CPU a plain step of a small target reads every weight once, so its cost follows the bytes of
-its weights. Float32 weights read 4 bytes each. This module gives the lean forward and the LM head
-products that read 2 bytes per weight (``float16``) or 1 (``int8``), from the kernels of FBGEMM
-that PyTorch ships for x86 (``torch.ops.quantized``):
+its weights. Float32 weights read 4 bytes each, bfloat16 2. This module gives the lean forward and
+the LM head products that read 2 bytes per weight (``float16``) or 1 (the int8 kinds):
 
-- **float16** (``linear_dynamic_fp16``): weights stored as float16, activations and sums in
-  float32. Weight-only: on held text the target's log-likelihood moves by about 0.01%.
-- **int8** (``linear_dynamic``): weights as int8 with one scale per output row; each activation row
-  as 7-bit integers with one scale of its own; sums in int32.
+- **float16** (FBGEMM's ``linear_dynamic_fp16``, shipped in PyTorch's x86 builds): weights stored
+  as float16, activations and sums in float32. Weight-only: on held text the target's
+  log-likelihood moves by about 0.01%.
+- **int8** (:mod:`dynaspec.runtime.q8`, this project's kernel, compiled at first use): weights as
+  int8 with one scale per output row; activations in float32 (FMAs), or, where the processor has
+  AVX-512 VNNI, each activation row as int16 with a scale of its own (integer dot products, about
+  half the cost for a verification's rows). Batch-invariant by construction. The weights setting
+  ``int8`` computes the whole target with it.
+- **int8-dynamic** (FBGEMM's ``linear_dynamic``): weights as int8 with one scale per output row;
+  each activation row as 7-bit integers with one scale of its own; sums in int32.
 
   A dynamic int8 product quantises its input with one scale for the whole input, so a row's result
   would depend on the other rows beside it. Here each row is first divided by its own largest
@@ -18,9 +23,9 @@ that PyTorch ships for x86 (``torch.ops.quantized``):
   row's result does not depend on how many rows are computed with it, by construction.
   Activations at 7 bits per row cost more than the weights' rounding: on the LM head alone the
   log-likelihood of held text moves by about 0.5% (docs/results.md), in the body several percent,
-  so only the head is offered in int8 (``int8-head``: float16 body, int8 head).
+  so it is offered for the head only (``int8-head``: float16 body, int8-dynamic head).
 
-These kernels' cost is nearly flat from one row to the six or so of a verification (the weight
+FBGEMM's kernels cost nearly the same from one row to the six or so of a verification (the weight
 tile is read once for all rows), unlike a float32 product on a CPU without AVX-512, which costs
 two to three times as much for four rows as for one.
 
@@ -40,11 +45,11 @@ from typing import Callable
 import torch
 
 from dynaspec.errors import ConfigError
-from dynaspec.runtime.config import WEIGHTS_CHOICES  # auto, dtype, float16, int8-head (see StackConfig)
+from dynaspec.runtime.config import WEIGHTS_CHOICES  # auto, dtype, float16, int8-head, int8 (see StackConfig)
 
 #: row counts probed for a kernel (a chain up to depth 15 verifies at most 16 rows)
 PROBE_ROWS = 16
-PROBE_VERSION = 2  # bump when a kernel or the probe changes: remembered verdicts are re-probed
+PROBE_VERSION = 3  # bump when a kernel or the probe changes: remembered verdicts are re-probed
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -54,16 +59,36 @@ def fbgemm_available(device: torch.device | str = "cpu") -> bool:
     return torch.device(device).type == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines
 
 
+def weights_problem(name: str, device: torch.device | str = "cpu") -> str | None:
+    """Why the weights setting ``name`` cannot run on ``device`` (None: it can)."""
+    if name == "dtype":
+        return None
+    if name == "int8":
+        from dynaspec.runtime.q8 import available
+
+        return available(device)
+    if not fbgemm_available(device):
+        return f"FBGEMM's CPU kernels, which this torch build or device ({torch.device(device)}) lacks"
+    return None
+
+
 def resolve_weights(name: str, device: torch.device | str = "cpu", measured: str = "dtype") -> str:
     """A ``weights`` setting as the kind used. ``auto`` is ``measured`` (the target's
     ``auto_weights``: the fastest setting whose quality was measured within bounds for that target,
-    ``dtype`` for a target nobody measured) where FBGEMM's kernels exist, else ``dtype``. Other
-    settings are checked against the device."""
+    ``dtype`` for a target nobody measured) where it can run; else ``int8-head`` where FBGEMM's
+    kernels exist (the int8 kernel needs a C compiler), else ``dtype``. Other settings are checked
+    against the device."""
     if name not in WEIGHTS_CHOICES:
         raise ConfigError(f"weights {name!r} is not supported: one of {', '.join(WEIGHTS_CHOICES)}")
     if name == "auto":
-        return measured if fbgemm_available(device) else "dtype"
-    if name != "dtype" and not fbgemm_available(device):
+        for choice in (measured, "int8-head", "dtype"):
+            if weights_problem(choice, device) is None:
+                return choice
+    problem = weights_problem(name, device)
+    if name == "int8" and problem is not None:
+        raise ConfigError(f"weights = \"int8\" needs its kernel, which cannot run here: {problem}; "
+                          "use weights = \"int8-head\" or \"dtype\"")
+    if problem is not None:
         raise ConfigError(f"weights = \"{name}\" needs FBGEMM's CPU kernels, which this torch build or device "
                           f"({torch.device(device)}) lacks: use weights = \"dtype\"")
     return name
@@ -127,7 +152,7 @@ class Int8Linear(_Packed):
     """``F.linear`` with int8 weights (one scale per output row) and each input row quantised to
     7 bits with a scale of its own, batch-invariant by construction (see the module docstring)."""
 
-    kind = "int8"
+    kind = "int8-dynamic"
     _ends = torch.tensor([[1.0, -1.0]])
 
     def _pack(self, block):
@@ -161,11 +186,17 @@ class Int8Linear(_Packed):
 
 
 def make_kernel(kind: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-    """The product of ``weight`` in ``kind`` ("float16" or "int8")."""
+    """The product of ``weight`` in ``kind``: "float16", "int8-dynamic" (FBGEMM, 7-bit
+    activations) or "int8" (weight-only, :mod:`dynaspec.runtime.q8`, activations in the weight's
+    dtype)."""
     if kind == "float16":
         return Float16Linear(weight, bias)
-    if kind == "int8":
+    if kind == "int8-dynamic":
         return Int8Linear(weight, bias)
+    if kind == "int8":
+        from dynaspec.runtime.q8 import Int8WeightLinear
+
+        return Int8WeightLinear(weight, bias)
     raise ValueError(f"no quantised kernel {kind!r}")
 
 

@@ -210,7 +210,7 @@ class TargetModel:
 
     def use_weights(self, kind: str) -> "TargetModel":
         """Compute the lean forward and the LM head from weights of ``kind`` (returns ``self``):
-        ``dtype`` (the target dtype's own), ``float16`` or ``int8-head``
+        ``dtype`` (the target dtype's own), ``float16``, ``int8-head`` or ``int8``
         (:mod:`dynaspec.runtime.quantized`; a resolved setting, not ``auto``). Call it after the
         final :meth:`to` and before :meth:`make_batch_invariant`."""
         from dynaspec.runtime.quantized import WEIGHTS_CHOICES
@@ -250,8 +250,8 @@ class TargetModel:
             from dynaspec.runtime.quantized import quantized_linear
 
             lean = self.forward_kind == "lean"
-            body_kind = {"dtype": None, "float16": "float16", "int8-head": "float16"}[self.weights]
-            head_kind = {"dtype": None, "float16": "float16", "int8-head": "int8"}[self.weights]
+            body_kind = {"dtype": None, "float16": "float16", "int8-head": "float16", "int8": "int8"}[self.weights]
+            head_kind = {"dtype": None, "float16": "float16", "int8-head": "int8-dynamic", "int8": "int8"}[self.weights]
             report = make_batch_invariant(self.decoder)
             head_name = "lm_head " + "x".join(map(str, self.lm_head_weight.shape))
             if head_kind is None:
@@ -286,15 +286,15 @@ class TargetModel:
                     stock = stock_linear(weight, bias)
                     return fn or stock, stock if verdict.startswith("pad") else fn or stock, stock
 
-                self._lean = self._build_lean(linear)
+                self._lean = self._build_lean(linear, c_norm=self.weights == "int8")
                 report["attention"] = "row-wise for chains"
             self.batch_invariance = report
         return self.batch_invariance
 
-    def _build_lean(self, linear=None):
+    def _build_lean(self, linear=None, c_norm: bool = False):
         from dynaspec.runtime.lean import LeanDecoder, stock_linears
 
-        return LeanDecoder(self.model, linear or stock_linears)
+        return LeanDecoder(self.model, linear or stock_linears, c_norm=c_norm)
 
     def _lean_decoder(self):
         """The lean forward, built once for the target's current dtype and device."""

@@ -1,0 +1,384 @@
+/* Weight-only int8 products for a CPU: y = x . (q * scale)^T + bias, for the few rows of a decoding
+ * step or a verification.
+ *
+ * x is float32 [M, K]; q is int8 [N, K] (one weight row per output, packed as below); scale and
+ * bias are float32 [N]; y is float32 [M, N]. The weights are read once per call: a tile of 4 weight rows is
+ * converted to float once for every group of activation rows (MB of them, held in registers: 6 with
+ * AVX-512, enough for most verifications, 2 with AVX2) and
+ * multiplied in float32, so the cost of a step stays near the cost of its weight bytes for up to
+ * some 8 rows (a verification), and every weight byte is read from memory once however many rows.
+ *
+ * Batch invariance by construction: every output y[m, n] is computed by the same sequence of
+ * operations whatever M is, wherever row m falls in a group, and however many threads share the
+ * outputs: one vector accumulator, fused multiply-adds over k in ascending order, one fixed
+ * horizontal sum, the scalar tail in ascending order, then the scale and the bias. The file must be
+ * compiled without -ffast-math and with -ffp-contract=off (the scalar code is then never contracted
+ * in one place and not in another).
+ *
+ * Built at first use by dynaspec.runtime.q8 with the compiler of the machine, for its own processor
+ * (-march=native): AVX-512, AVX2 with FMA, or plain C.
+ */
+#include <stdint.h>
+#include <stddef.h>
+#include <math.h>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define LANES 16
+#define MB 6
+typedef __m512 vec;
+static inline vec v_zero(void) { return _mm512_setzero_ps(); }
+static inline vec v_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline vec v_weights(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline vec v_fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float v_sum(vec a) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_movehdup_ps(q));
+    return _mm_cvtss_f32(q);
+}
+#define ISA "avx512"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8
+#define MB 2
+typedef __m256 vec;
+static inline vec v_zero(void) { return _mm256_setzero_ps(); }
+static inline vec v_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline vec v_weights(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline vec v_fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float v_sum(vec a) {
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_movehdup_ps(q));
+    return _mm_cvtss_f32(q);
+}
+#define ISA "avx2"
+#else
+#define LANES 1
+#define MB 2
+typedef float vec;
+static inline vec v_zero(void) { return 0.0f; }
+static inline vec v_load(const float *p) { return *p; }
+static inline vec v_weights(const int8_t *p) { return (float)*p; }
+static inline vec v_fma(vec a, vec b, vec c) { return c + a * b; }
+static inline float v_sum(vec a) { return a; }
+#define ISA "scalar"
+#endif
+
+#define NB 4 /* weight rows per tile */
+
+const char *q8_isa(void) { return ISA; }
+int q8_lanes(void) { return LANES; }
+
+/* The weights are packed by tiles (dynaspec.runtime.q8.pack): for each tile of NB weight rows (the
+ * last one padded with zero rows), its vector part as [K / LANES][NB][LANES] int8, so that a tile is
+ * read as one sequential stream (rows read side by side would be NB short streams, which hardware
+ * prefetchers follow badly); then, apart, the tail columns K % LANES of every row, [N][K % LANES]. */
+
+/* The vector part of the dot products of `mb` activation rows with the NB weight rows of one
+ * packed tile: sums[i * NB + j] for row i of x and row j of the tile. Inlined with constant mb. */
+static inline __attribute__((always_inline)) void tile(const float *restrict x, int64_t K, int64_t kv,
+                                                       const int8_t *restrict p, const int mb,
+                                                       float *restrict sums) {
+    vec acc[MB][NB];
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = v_zero();
+    for (int64_t k = 0; k < kv; k += LANES, p += NB * LANES) {
+        vec w[NB];
+        for (int j = 0; j < NB; j++) w[j] = v_weights(p + j * LANES);
+        for (int i = 0; i < mb; i++) {
+            vec xv = v_load(x + i * K + k);
+            for (int j = 0; j < NB; j++) acc[i][j] = v_fma(xv, w[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < NB; j++) sums[i * NB + j] = v_sum(acc[i][j]);
+}
+
+static void tile_any(const float *x, int64_t K, int64_t kv, const int8_t *p, int mb, float *sums) {
+    switch (mb) {
+        case 1: tile(x, K, kv, p, 1, sums); break;
+        case 2: tile(x, K, kv, p, 2, sums); break;
+#if MB >= 3
+        case 3: tile(x, K, kv, p, 3, sums); break;
+#endif
+#if MB >= 4
+        case 4: tile(x, K, kv, p, 4, sums); break;
+#endif
+#if MB >= 6
+        case 5: tile(x, K, kv, p, 5, sums); break;
+        case 6: tile(x, K, kv, p, 6, sums); break;
+#endif
+        default: break;
+    }
+}
+
+static void rows_block(const float *x, int64_t M, int64_t K, const int8_t *packed, const int8_t *tail,
+                       const float *scale, const float *bias, int64_t N, float *y, int64_t b) {
+    const int64_t n0 = b * NB;
+    const int nb = (int)(N - n0 < NB ? N - n0 : NB);
+    const int64_t kv = K - K % LANES, kt = K - kv;
+    const int8_t *p = packed + b * NB * kv;
+    float sums[MB * NB];
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const int mb = (int)(M - m0 < MB ? M - m0 : MB);
+        tile_any(x + m0 * K, K, kv, p, mb, sums);
+        for (int i = 0; i < mb; i++) {
+            const float *xr = x + (m0 + i) * K + kv;
+            for (int j = 0; j < nb; j++) {
+                const int8_t *tr = tail + (n0 + j) * kt;
+                float s = sums[i * NB + j];
+                for (int64_t k = 0; k < kt; k++) s = s + xr[k] * (float)tr[k];
+                s = s * scale[n0 + j];
+                if (bias) s = s + bias[n0 + j];
+                y[(m0 + i) * N + n0 + j] = s;
+            }
+        }
+    }
+}
+
+int q8_tile_rows(void) { return NB; }
+
+void q8_linear(const float *x, int64_t M, int64_t K, const int8_t *packed, const int8_t *tail,
+               const float *scale, const float *bias, int64_t N, float *y, int threads) {
+    const int64_t blocks = (N + NB - 1) / NB;
+    if (threads <= 1) {
+        for (int64_t b = 0; b < blocks; b++) rows_block(x, M, K, packed, tail, scale, bias, N, y, b);
+        return;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < blocks; b++) rows_block(x, M, K, packed, tail, scale, bias, N, y, b);
+}
+
+
+/* ---- RMS norm of rows, for the lean forward -----------------------------------------------------
+ * y = x / sqrt(mean(x^2) + eps) * w, each row on its own, in float32; x and y are float32 or
+ * bfloat16 (bf16 != 0), w float32. round_first != 0 (Llama's order): the normed row is rounded to
+ * the dtype before the weight multiplies it, and the product is rounded again. One row's result
+ * never depends on the other rows. */
+static inline float to_dtype(float v, int bf16) {
+    if (!bf16) return v;
+    union { float f; uint32_t u; } c = {.f = v};
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return v; /* NaN stays NaN */
+    c.u = (c.u + 0x7fffu + ((c.u >> 16) & 1u)) & 0xffff0000u; /* round to nearest even */
+    return c.f;
+}
+
+static inline float load_any(const void *x, int bf16, int64_t i) {
+    if (!bf16) return ((const float *)x)[i];
+    union { uint32_t u; float f; } c = {.u = (uint32_t)((const uint16_t *)x)[i] << 16};
+    return c.f;
+}
+
+static inline void store_any(void *y, int bf16, int64_t i, float v) {
+    if (!bf16) { ((float *)y)[i] = v; return; }
+    union { float f; uint32_t u; } c = {.f = to_dtype(v, 1)};
+    ((uint16_t *)y)[i] = (uint16_t)(c.u >> 16);
+}
+
+void q8_rms_norm(const void *x, int bf16, int64_t rows, int64_t d, const float *w, int round_first, float eps,
+                 void *y) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t base = r * d;
+        float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int64_t k = 0;
+        for (; k + 8 <= d; k += 8)
+            for (int l = 0; l < 8; l++) {
+                float v = load_any(x, bf16, base + k + l);
+                part[l] = part[l] + v * v;
+            }
+        float ss = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+        for (; k < d; k++) {
+            float v = load_any(x, bf16, base + k);
+            ss = ss + v * v;
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)d + eps);
+        for (k = 0; k < d; k++) {
+            float v = load_any(x, bf16, base + k) * inv;
+            if (round_first) v = to_dtype(v, bf16);
+            store_any(y, bf16, base + k, v * (w ? w[k] : 1.0f));
+        }
+    }
+}
+
+/* ---- int16 activations: integer dot products ---------------------------------------------------------
+ * Each activation row is quantised to int16 with one scale of its own (its largest magnitude over
+ * 32767), the int8 weights are widened to int16 (one instruction per 32 or 16 weights), and the
+ * products are summed in int32: AVX-512 VNNI's vpdpwssd (32 products an instruction), or AVX2's
+ * vpmaddwd and vpaddd, with the weights converted once for every group of rows. Integer sums are exact, in
+ * any order: the result of a row depends on that row alone. Lanes are flushed into int64 every 256
+ * steps, before any lane could overflow (2 * 256 * 32767 * 127 < 2^31). The weights are packed as
+ * above with ILANES per row and step, K padded with zeros to a multiple of ILANES (no tail). */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define ILANES 32
+#define IMB 4
+typedef __m512i ivec;
+static inline ivec i_zero(void) { return _mm512_setzero_si512(); }
+static inline ivec i_widen(const int8_t *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
+static inline ivec i_load(const int16_t *p) { return _mm512_loadu_si512((const void *)p); }
+/* acc += the pairwise products of a and b, in place: GCC compiles the intrinsic with a copy of the
+ * accumulator per instruction (and spills), the accumulator tied in asm does not */
+#define DOT_I16(acc, a, b) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
+static inline int64_t i_sum(ivec a) {
+    __m512i lo = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(a));
+    __m512i hi = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(a, 1));
+    return _mm512_reduce_add_epi64(_mm512_add_epi64(lo, hi));
+}
+#define HAVE_I16 1
+#elif defined(__AVX2__)
+/* AVX2 without VNNI: vpmaddwd (pairs of int16 products summed into int32), then vpaddd */
+#define ILANES 16
+#define IMB 2
+typedef __m256i ivec;
+static inline ivec i_zero(void) { return _mm256_setzero_si256(); }
+static inline ivec i_widen(const int8_t *p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+static inline ivec i_load(const int16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+#define DOT_I16(acc, a, b) ((acc) = _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b))))
+static inline int64_t i_sum(ivec a) {
+    __m256i v = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(a)),
+                                 _mm256_cvtepi32_epi64(_mm256_extracti128_si256(a, 1)));
+    __m128i h = _mm_add_epi64(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    return _mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1);
+}
+#define HAVE_I16 1
+#endif
+
+#ifdef HAVE_I16
+#define FLUSH 256
+int q8_int16_available(void) { return 1; }
+int q8_int16_lanes(void) { return ILANES; }
+
+static inline __attribute__((always_inline)) void tile_i16(const int16_t *restrict x, int64_t Kp,
+                                                           const int8_t *restrict p, const int mb,
+                                                           int64_t *restrict sums) {
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < NB; j++) sums[i * NB + j] = 0;
+    for (int64_t k0 = 0; k0 < Kp; k0 += FLUSH * ILANES) {
+        const int64_t k1 = k0 + FLUSH * ILANES < Kp ? k0 + FLUSH * ILANES : Kp;
+        ivec acc[IMB][NB];
+        for (int i = 0; i < mb; i++)
+            for (int j = 0; j < NB; j++) acc[i][j] = i_zero();
+        for (int64_t k = k0; k < k1; k += ILANES, p += NB * ILANES) {
+            ivec w[NB];
+            for (int j = 0; j < NB; j++) w[j] = i_widen(p + j * ILANES);
+            for (int i = 0; i < mb; i++) {
+                ivec xv = i_load(x + i * Kp + k);
+                for (int j = 0; j < NB; j++) DOT_I16(acc[i][j], xv, w[j]);
+            }
+        }
+        for (int i = 0; i < mb; i++)
+            for (int j = 0; j < NB; j++) sums[i * NB + j] += i_sum(acc[i][j]);
+    }
+}
+
+static void tile_i16_any(const int16_t *x, int64_t Kp, const int8_t *p, int mb, int64_t *sums) {
+    switch (mb) {
+        case 1: tile_i16(x, Kp, p, 1, sums); break;
+        case 2: tile_i16(x, Kp, p, 2, sums); break;
+#if IMB >= 4
+        case 3: tile_i16(x, Kp, p, 3, sums); break;
+        case 4: tile_i16(x, Kp, p, 4, sums); break;
+#endif
+        default: break;
+    }
+}
+
+static void rows_block_i16(const int16_t *xq, const float *sx, int64_t M, int64_t Kp, const int8_t *packed,
+                           const float *scale, const float *bias, int64_t N, float *y, int64_t b) {
+    const int64_t n0 = b * NB;
+    const int nb = (int)(N - n0 < NB ? N - n0 : NB);
+    const int8_t *p = packed + b * NB * Kp;
+    int64_t sums[IMB * NB];
+    for (int64_t m0 = 0; m0 < M; m0 += IMB) {
+        const int mb = (int)(M - m0 < IMB ? M - m0 : IMB);
+        tile_i16_any(xq + m0 * Kp, Kp, p, mb, sums);
+        for (int i = 0; i < mb; i++)
+            for (int j = 0; j < nb; j++) {
+                float s = (float)((double)sums[i * NB + j] * (double)sx[m0 + i] * (double)scale[n0 + j]);
+                if (bias) s = s + bias[n0 + j];
+                y[(m0 + i) * N + n0 + j] = s;
+            }
+    }
+}
+
+/* x: float32 (bf16 == 0) or bfloat16 [M, K]; packed weights [N, Kp] as described above. */
+void q8_linear_i16(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, const int8_t *packed,
+                   const float *scale, const float *bias, int64_t N, float *y, int threads, int16_t *xq,
+                   float *sx) {
+    for (int64_t m = 0; m < M; m++) {
+        float amax = 0.0f;
+        for (int64_t k = 0; k < K; k++) {
+            float v = fabsf(load_any(x, bf16, m * K + k));
+            amax = v > amax ? v : amax;
+        }
+        const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        sx[m] = amax / 32767.0f;
+        for (int64_t k = 0; k < K; k++) {
+            float v = nearbyintf(load_any(x, bf16, m * K + k) * inv);
+            v = v > 32767.0f ? 32767.0f : (v < -32767.0f ? -32767.0f : v);
+            xq[m * Kp + k] = (int16_t)v;
+        }
+        for (int64_t k = K; k < Kp; k++) xq[m * Kp + k] = 0;
+    }
+    const int64_t blocks = (N + NB - 1) / NB;
+    if (threads <= 1) {
+        for (int64_t b = 0; b < blocks; b++) rows_block_i16(xq, sx, M, Kp, packed, scale, bias, N, y, b);
+        return;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < blocks; b++) rows_block_i16(xq, sx, M, Kp, packed, scale, bias, N, y, b);
+}
+#else
+int q8_int16_available(void) { return 0; }
+int q8_int16_lanes(void) { return 0; }
+void q8_linear_i16(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, const int8_t *packed,
+                   const float *scale, const float *bias, int64_t N, float *y, int threads, int16_t *xq,
+                   float *sx) {
+    (void)x; (void)bf16; (void)M; (void)K; (void)Kp; (void)packed; (void)scale; (void)bias; (void)N; (void)y;
+    (void)threads; (void)xq; (void)sx;
+}
+#endif
+
+/* ---- quantising and packing, at load time ----------------------------------------------------------
+ * Each row of w (float32, or bfloat16 with bf16 != 0) [N, K] as int8 times a scale: scale = largest
+ * magnitude / 127 (1 for a row of zeros), q = w / scale rounded to nearest even, within [-127, 127];
+ * written straight into the kernel's layout: tiles of NB rows (the last padded with zero rows), the
+ * first kv = Kp - Kp % lanes columns as [kv / lanes][NB][lanes], the rest of each row into tail
+ * [N][Kp - kv]; columns K..Kp (zero padding) are zeros. One pass over the weights. */
+void q8_quantize_pack(const void *w, int bf16, int64_t N, int64_t K, int64_t Kp, int lanes, int8_t *packed,
+                      int8_t *tail, float *scale) {
+    const int64_t kv = Kp - Kp % lanes, kt = Kp - kv, tiles = (N + NB - 1) / NB;
+    for (int64_t t = 0; t < tiles; t++)
+        for (int j = 0; j < NB; j++) {
+            const int64_t n = t * NB + j;
+            int8_t *dst = packed + t * NB * kv + (int64_t)j * lanes;
+            if (n >= N) {
+                for (int64_t k = 0; k < kv; k += lanes)
+                    for (int l = 0; l < lanes; l++) dst[k * NB + l] = 0;
+                continue;
+            }
+            float amax = 0.0f;
+            for (int64_t k = 0; k < K; k++) {
+                float v = fabsf(load_any(w, bf16, n * K + k));
+                amax = v > amax ? v : amax;
+            }
+            const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+            scale[n] = s;
+            for (int64_t k = 0; k < Kp; k++) {
+                float v = k < K ? nearbyintf(load_any(w, bf16, n * K + k) / s) : 0.0f;
+                v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+                if (k < kv)
+                    dst[(k / lanes) * NB * lanes + k % lanes] = (int8_t)v;
+                else
+                    tail[n * kt + (k - kv)] = (int8_t)v;
+            }
+        }
+}

@@ -1,0 +1,259 @@
+"""Int8 weights on a CPU: the kernel in ``kernels/q8_linear.c``, built at first use.
+
+Each weight row is stored as int8 with one float32 scale (its largest magnitude over 127). The
+kernel converts a tile of weights once for every group of activation rows, so a verification of a
+few rows reads the weights once, and every result is computed by the same operations whatever the
+number of rows (see the C file): rows never depend on how many are computed together, by
+construction. Two modes (:data:`MODES`): activations in float32 with FMAs, or each activation row
+quantised to int16 with a scale of its own and integer dot products (AVX-512 VNNI or AVX2), whose
+sums are exact; the second is the default where it runs.
+
+The C file is compiled with the machine's C compiler (``$CC``, else ``cc``) for its own processor
+(``-march=native``) into the cache root, once per source, compiler and processor; the shared
+library is loaded with :mod:`ctypes`. Without a compiler the kernel is unavailable and
+:func:`available` says why; ``weights = "auto"`` then falls back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from dynaspec.errors import ConfigError
+
+SOURCE = Path(__file__).with_name("kernels") / "q8_linear.c"
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared")
+LIBS = ("-lm",)
+#: the instruction sets the kernel can be built for: the processor's best (``native``), or lower,
+#: to run and test its other code paths here (``$DYNASPEC_Q8_ISA`` chooses for a process)
+LEVELS = {"native": (), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _processor() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            info = fh.read()
+        flags = next((line.split(":", 1)[1] for line in info.splitlines() if line.startswith("flags")), "")
+        model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+        return model + " " + " ".join(sorted(flags.split()))
+    except OSError:
+        return platform.processor()
+
+
+def _build(cc: str, out: Path, openmp: bool, level: str) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_lib = Path(tmp) / out.name
+        cmd = [cc, *FLAGS, *LEVELS[level], *(["-fopenmp"] if openmp else []), str(SOURCE), "-o", str(tmp_lib), *LIBS]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise OSError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()[-2000:]}")
+        os.replace(tmp_lib, out)  # atomic: a concurrent process sees the whole library or none
+
+
+def _library(level: str | None = None) -> ctypes.CDLL:
+    """The compiled kernel for ``level`` (see :data:`LEVELS`; default ``$DYNASPEC_Q8_ISA`` or
+    ``native``), built into the cache root on first use (raises OSError on failure)."""
+    level = level or os.environ.get("DYNASPEC_Q8_ISA") or "native"
+    if level not in LEVELS:
+        raise OSError(f"DYNASPEC_Q8_ISA={level!r}: one of {', '.join(LEVELS)}")
+    return _library_for(level)
+
+
+@functools.lru_cache(maxsize=None)
+def _library_for(level: str) -> ctypes.CDLL:
+    from dynaspec.runtime.cache import cache_root
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise OSError(f"the int8 kernel is written for x86-64 processors, not {platform.machine()}")
+    cc = _compiler()
+    if cc is None:
+        raise OSError("no C compiler found (set CC, or install gcc or clang)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS + LEVELS[level]), cc, *version,
+                                    _processor()]).encode()).hexdigest()[:16]
+    lib_path = cache_root() / "kernels" / f"q8_linear-{level}-{key}.so"
+    if not lib_path.exists():
+        try:
+            _build(cc, lib_path, True, level)
+        except OSError:
+            _build(cc, lib_path, False, level)  # a compiler without OpenMP: one thread
+    lib = ctypes.CDLL(str(lib_path))
+    lib.q8_linear.restype = None
+    lib.q8_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.q8_isa.restype = ctypes.c_char_p
+    for name in ("q8_lanes", "q8_tile_rows", "q8_int16_available", "q8_int16_lanes"):
+        getattr(lib, name).restype = ctypes.c_int
+    lib.q8_quantize_pack.restype = None
+    lib.q8_quantize_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.q8_linear_i16.restype = None
+    lib.q8_linear_i16.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                  ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.q8_rms_norm.restype = None
+    lib.q8_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
+    return lib
+
+
+def pack(q: torch.Tensor, lanes: int, tile_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed, tail)``: int8 weights ``q`` [N, K] in the kernel's layout. For each tile of
+    ``tile_rows`` rows (the last padded with zero rows), its first ``K - K % lanes`` columns as
+    [K / lanes, tile_rows, lanes], so that the kernel reads a tile as one sequential stream; the
+    last ``K % lanes`` columns of every row apart, [N, K % lanes]."""
+    n, k = q.shape
+    kv = k - k % lanes
+    tiles = -(-n // tile_rows)
+    body = q.new_zeros(tiles * tile_rows, kv)
+    body[:n] = q[:, :kv]
+    packed = body.view(tiles, tile_rows, kv // lanes, lanes).transpose(1, 2).contiguous().view(-1)
+    return packed, q[:, kv:].contiguous()
+
+
+def available(device: torch.device | str = "cpu", level: str | None = None) -> str | None:
+    """None where the int8 kernel runs on ``device``, else why not."""
+    if torch.device(device).type != "cpu":
+        return f"the int8 kernel runs on a CPU, not on {torch.device(device)}"
+    try:
+        _library(level)
+    except OSError as err:
+        return str(err)
+    return None
+
+
+def isa(level: str | None = None) -> str:
+    """The instruction set the kernel was built for here: ``avx512``, ``avx2`` or ``scalar``."""
+    return _library(level).q8_isa().decode()
+
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, round_first: bool = False) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension, each row on its own, in
+    float32, for a float32 or bfloat16 ``x`` (returned in its dtype); ``weight`` is float32.
+    ``round_first``: the normed row is rounded to ``x``'s dtype before ``weight`` multiplies it
+    (Llama's order; Gemma's multiplies first). One C call instead of some eight tensor operations:
+    a decoding step of a small target normalises over a hundred short rows."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"rms_norm of {x.dtype}: float32 or bfloat16")
+    d = x.shape[-1]
+    if weight is not None and (weight.dtype != torch.float32 or weight.numel() != d or not weight.is_contiguous()):
+        raise ValueError(f"rms_norm weight must be a contiguous float32 vector of {d}")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _library().q8_rms_norm(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel() // max(d, 1), d,
+                           None if weight is None else weight.data_ptr(), int(round_first), eps, out.data_ptr())
+    return out
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: each row of ``weight`` as int8 in [-127, 127] times its float32 scale (its
+    largest magnitude over 127; rows of zeros get scale 1)."""
+    w = weight.detach().float()
+    amax = torch.linalg.vector_norm(w, float("inf"), dim=1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+#: how the kernel multiplies (see kernels/q8_linear.c): ``float`` (activations as float32, FMAs),
+#: ``int16`` (each activation row quantised to int16 with a scale of its own, integer dot products
+#: on AVX-512 VNNI or AVX2: exact integer sums, the weights widened in one instruction per 32 or
+#: 16, and about half the cost of ``float`` for a verification's four to eight rows)
+MODES = ("float", "int16")
+
+
+def modes(level: str | None = None) -> tuple[str, ...]:
+    """The modes the kernel built for ``level`` runs here."""
+    lib = _library(level)
+    return ("float", "int16") if lib.q8_int16_available() else ("float",)
+
+
+def default_mode(level: str | None = None) -> str:
+    """The fastest mode here: ``int16`` where AVX2 or AVX-512 VNNI exists, else ``float``."""
+    return modes(level)[-1]
+
+
+class Int8WeightLinear:
+    """``F.linear`` with int8 weights (one scale per output row), through the compiled kernel:
+    rows never depend on how many are computed together. ``mode`` (:data:`MODES`; default
+    :func:`default_mode`) says how the activations enter the products. Inputs of any float dtype
+    are accepted (float32 and bfloat16 are read as they are); results are returned in the input's
+    dtype."""
+
+    kind = "int8"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, level: str | None = None,
+                 mode: str | None = None) -> None:
+        if weight.dim() != 2:
+            raise ConfigError(f"an int8 product needs a 2-D weight, got shape {tuple(weight.shape)}")
+        self._lib = _library(level)
+        self.mode = mode or default_mode(level)
+        if self.mode not in modes(level):
+            raise ConfigError(f"int8 kernel mode {self.mode!r} does not run here: {', '.join(modes(level))} do")
+        self.out_features, self.in_features = weight.shape
+        lanes = self._lib.q8_lanes() if self.mode == "float" else self._lib.q8_int16_lanes()
+        self._layout = (lanes, self._lib.q8_tile_rows())
+        # int16 mode: K padded with zero weights to a whole number of steps (no tail columns)
+        self._padded_in = -(-self.in_features // lanes) * lanes if self.mode == "int16" else self.in_features
+        with torch.inference_mode():  # quantised and packed in one pass (as quantize_rows, then pack)
+            w = weight.detach()
+            w = (w if w.dtype in (torch.float32, torch.bfloat16) else w.float()).contiguous()
+            n, kp, tile_rows = self.out_features, self._padded_in, self._layout[1]
+            kv = kp - kp % lanes
+            self.packed = torch.empty(-(-n // tile_rows) * tile_rows * kv, dtype=torch.int8)
+            self.tail = torch.empty(n, kp - kv, dtype=torch.int8)
+            self.scale = torch.empty(n, dtype=torch.float32)
+            self._lib.q8_quantize_pack(w.data_ptr(), int(w.dtype == torch.bfloat16), n, self.in_features, kp, lanes,
+                                       self.packed.data_ptr(), self.tail.data_ptr(), self.scale.data_ptr())
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def quantised_weight(self) -> torch.Tensor:
+        """The weight as the kernel sees it, dequantised (float32): for quality checks."""
+        lanes, tile_rows = self._layout
+        n, k = self.out_features, self._padded_in
+        kv = k - k % lanes
+        tiles = -(-n // tile_rows)
+        body = self.packed.view(tiles, kv // lanes, tile_rows, lanes).transpose(1, 2).reshape(tiles * tile_rows, kv)[:n]
+        q = torch.cat([body, self.tail], dim=1)[:, :self.in_features]
+        return q.float() * self.scale[:, None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        if shape[-1] != self.in_features:
+            raise ValueError(f"input of {shape[-1]} features for a product with {self.in_features} input features")
+        rows = x.reshape(-1, shape[-1])
+        m = rows.shape[0]
+        out = torch.empty(m, self.out_features, dtype=torch.float32)
+        if m:
+            bias = None if self.bias is None else self.bias.data_ptr()
+            threads = torch.get_num_threads()
+            if self.mode == "int16":
+                rows = rows.contiguous() if rows.dtype in (torch.float32, torch.bfloat16) else rows.float().contiguous()
+                xq = torch.empty(m, self._padded_in, dtype=torch.int16)
+                sx = torch.empty(m, dtype=torch.float32)
+                self._lib.q8_linear_i16(rows.data_ptr(), int(rows.dtype == torch.bfloat16), m, self.in_features,
+                                        self._padded_in, self.packed.data_ptr(), self.scale.data_ptr(), bias,
+                                        self.out_features, out.data_ptr(), threads, xq.data_ptr(), sx.data_ptr())
+            else:
+                rows = rows.float().contiguous()
+                self._lib.q8_linear(rows.data_ptr(), m, self.in_features, self.packed.data_ptr(), self.tail.data_ptr(),
+                    self.scale.data_ptr(), bias, self.out_features, out.data_ptr(), threads)
+        return out.reshape(*shape[:-1], self.out_features).to(x.dtype)

@@ -1,0 +1,211 @@
+"""The weight-only int8 kernel (dynaspec.runtime.q8): it computes the product of the dequantised
+weights, and a row's result never depends on how many rows, or threads, compute it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynaspec.errors import ConfigError
+from dynaspec.runtime import q8
+from dynaspec.runtime import quantized as qz
+
+pytestmark = pytest.mark.skipif(q8.available() is not None, reason=f"int8 kernel unavailable: {q8.available()}")
+
+# (out, in): a tile remainder (N % 4) and a column tail (K % 32, K % 16, K % 8) in most of them
+SHAPES = [(7, 40), (33, 650), (64, 896), (5, 1)]
+DTYPES = [torch.float32, torch.bfloat16]
+#: every code path the processor here can run: its best, AVX2 (+FMA) and plain C, each in its modes
+LEVELS = [level for level in q8.LEVELS if q8.available(level=level) is None]
+PATHS = [(level, mode) for level in LEVELS for mode in q8.modes(level)]
+
+
+def _case(n: int, k: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=gen) * torch.exp2(torch.randint(-4, 4, (n, 1), generator=gen).float())
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(13, k, generator=gen) * torch.exp2(torch.randint(-6, 7, (13, k), generator=gen).float())
+    return weight, bias, x
+
+
+@pytest.mark.parametrize(("level", "mode"), PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_kernels_packing_is_quantize_rows_then_pack(shape, dtype, level, mode):
+    weight, bias, _ = _case(*shape, seed=4)
+    weight = weight.to(dtype)
+    weight[min(2, shape[0] - 1)] = 0  # a row of zeros
+    kernel = q8.Int8WeightLinear(weight, bias, level=level, mode=mode)
+    q, scale = q8.quantize_rows(weight)
+    assert torch.equal(kernel.scale, scale)
+    assert torch.equal(kernel.quantised_weight(), q.float() * scale[:, None])
+    lanes, tile_rows = kernel._layout
+    padded = torch.cat([q, q.new_zeros(q.shape[0], kernel._padded_in - shape[1])], dim=1)
+    packed, tail = q8.pack(padded, lanes, tile_rows)
+    assert torch.equal(kernel.packed, packed) and torch.equal(kernel.tail, tail)
+
+
+def test_quantize_rows_round_trip_and_zero_rows():
+    weight = torch.tensor([[1.0, -0.5, 0.25], [0.0, 0.0, 0.0], [-3.0, 3.0, 1.0]])
+    q, scale = q8.quantize_rows(weight)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127
+    assert scale[1] == 1.0 and torch.equal(q[1], torch.zeros(3, dtype=torch.int8))
+    assert torch.allclose(q.float() * scale[:, None], weight, atol=float(scale.max()) / 2)
+    # every row reaches +-127 at its largest magnitude
+    assert q[0, 0] == 127 and q[2, 0] == -127
+
+
+
+
+
+@pytest.mark.parametrize(("level", "mode"), PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_product_equals_the_dequantised_weights_product(shape, dtype, level, mode):
+    weight, bias, x = _case(*shape)
+    kernel = q8.Int8WeightLinear(weight.to(dtype), bias, level=level, mode=mode)
+    x = x.to(dtype)
+    ref = torch.nn.functional.linear(x.double(), kernel.quantised_weight().double(), bias.double())
+    got = kernel(x)
+    assert got.dtype == dtype and got.shape == (13, shape[0])
+    # float32 sums over K terms (int16: each input within half a step of 1/32767 of its row's
+    # largest magnitude), then (bfloat16) one rounding of the output
+    rel = (2.0 ** -7 if dtype == torch.bfloat16 else 1e-5) + (2.0 ** -15 if mode == "int16" else 0.0)
+    wabs = kernel.quantised_weight().double().abs()
+    scale = ref.abs() + x.double().abs() @ wabs.T
+    if mode == "int16":  # the quantisation step of each input row, times the weights' magnitudes
+        scale = scale + x.double().abs().amax(dim=1, keepdim=True) * wabs.sum(dim=1)[None, :]
+    assert ((got.double() - ref).abs() <= rel * scale + 1e-30).all()
+    # and the dequantised weights are within half a step of the weights
+    step = kernel.scale[:, None] / 2
+    assert ((kernel.quantised_weight() - weight.to(dtype).float()).abs() <= step * 1.0001).all()
+
+
+@pytest.mark.parametrize(("level", "mode"), PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rows_do_not_depend_on_the_row_count(shape, dtype, level, mode):
+    weight, bias, x = _case(*shape, seed=1)
+    kernel = q8.Int8WeightLinear(weight, bias, level=level, mode=mode)
+    x = x.to(dtype)
+    alone = torch.cat([kernel(x[i:i + 1]) for i in range(len(x))])
+    for rows in range(1, len(x) + 1):
+        assert torch.equal(kernel(x[:rows]), alone[:rows]), rows
+    # nor on the neighbours: the same row after other rows
+    assert torch.equal(kernel(torch.cat([x[5:], x[:5]]))[-5:], alone[:5])
+    # and the probe of the quantised kernels agrees
+    assert qz.probe_quantized(kernel, shape[1], weight.to(dtype)) == "stock"
+
+
+def test_each_level_is_the_code_path_it_names():
+    expected = {"avx2": ("avx2", ("float", "int16")), "scalar": ("scalar", ("float",))}
+    for level in LEVELS:
+        if level in expected:
+            assert (q8.isa(level), q8.modes(level)) == expected[level]
+    assert q8.default_mode() == q8.modes()[-1]
+    with pytest.raises(ConfigError, match="does not run here"):
+        q8.Int8WeightLinear(torch.randn(4, 8), level="scalar", mode="int16")
+    with pytest.raises(OSError, match="DYNASPEC_Q8_ISA"):
+        q8._library("sse9")
+
+
+def test_rms_norm_matches_torch_row_by_row():
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(3)
+    for dtype in DTYPES:
+        x = (torch.randn(3, 5, 645, generator=gen) * 4).to(dtype)
+        w = torch.randn(645, generator=gen)
+        gemma = F.rms_norm(x.float(), (645,), w, 1e-6).to(dtype)
+        got = q8.rms_norm(x, w, 1e-6)
+        assert got.dtype == dtype and torch.allclose(got.float(), gemma.float(), rtol=1e-5, atol=1e-6)
+        wd = w.to(dtype)
+        llama = wd * F.rms_norm(x.float(), (645,), None, 1e-6).to(dtype)
+        got = q8.rms_norm(x, wd.float(), 1e-6, round_first=True)
+        assert torch.allclose(got.float(), llama.float(), rtol=1e-5, atol=1e-6)
+        # each row on its own
+        flat = x.reshape(-1, 645)
+        assert torch.equal(torch.cat([q8.rms_norm(flat[i:i + 1], w, 1e-6) for i in range(len(flat))]),
+                           q8.rms_norm(flat, w, 1e-6))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        q8.rms_norm(torch.zeros(2, 4, dtype=torch.float16), None, 1e-6)
+    with pytest.raises(ValueError, match="contiguous float32 vector of 4"):
+        q8.rms_norm(torch.zeros(2, 4), torch.zeros(5), 1e-6)
+
+
+@pytest.mark.parametrize("mode", q8.modes() if q8.available() is None else ["float"])
+def test_rows_do_not_depend_on_the_thread_count(mode):
+    weight, bias, x = _case(203, 96, seed=2)
+    kernel = q8.Int8WeightLinear(weight, bias, mode=mode)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(x)
+        torch.set_num_threads(2)
+        two = kernel(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ConfigError, match="2-D weight"):
+        q8.Int8WeightLinear(torch.zeros(3))
+    kernel = q8.Int8WeightLinear(torch.randn(4, 8))
+    with pytest.raises(ValueError, match="9 features for a product with 8 input"):
+        kernel(torch.randn(2, 9))
+    assert kernel(torch.randn(0, 8)).shape == (0, 4)
+    assert kernel(torch.randn(2, 3, 8)).shape == (2, 3, 4)
+
+
+def test_without_a_compiler_the_kernel_says_why_and_auto_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("DYNASPEC_CACHE_DIR", str(tmp_path))
+    compiler = q8._compiler
+    monkeypatch.setattr(q8, "_compiler", lambda: None)
+    q8._library_for.cache_clear()
+    try:
+        assert "no C compiler" in q8.available()
+        with pytest.raises(ConfigError, match="no C compiler"):
+            qz.resolve_weights("int8")
+        expected = "int8-head" if qz.fbgemm_available() else "dtype"
+        assert qz.resolve_weights("auto", measured="int8") == expected
+    finally:
+        monkeypatch.setattr(q8, "_compiler", compiler)
+        q8._library_for.cache_clear()
+    assert q8.available() is None  # built again (into the temporary cache) once a compiler is back
+    assert list((tmp_path / "kernels").glob("q8_linear-*.so"))
+
+
+def test_a_failed_build_is_reported_with_the_compiler_output(monkeypatch, tmp_path):
+    monkeypatch.setenv("DYNASPEC_CACHE_DIR", str(tmp_path))
+    bad = tmp_path / "bad.c"
+    bad.write_text("this is not C;\n")
+    monkeypatch.setattr(q8, "SOURCE", bad)
+    q8._library_for.cache_clear()
+    try:
+        problem = q8.available()
+        assert problem is not None and "failed" in problem
+        assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-written is left
+    finally:
+        q8._library_for.cache_clear()
+
+
+@pytest.mark.parametrize("level", [level for level, mode in PATHS if mode == "int16"])
+def test_int16_sums_never_overflow(level):
+    # every product at its largest (127 * 32767) and of one sign: an int32 lane would overflow after
+    # 258 steps of two products without the int64 flushes
+    k = 32 * 300
+    kernel = q8.Int8WeightLinear(torch.ones(5, k), torch.zeros(5), level=level, mode="int16")
+    x = torch.ones(2, k)
+    assert torch.equal(kernel(x), torch.full((2, 5), float(k)))
+    assert torch.equal(kernel(-x), torch.full((2, 5), -float(k)))
+
+
+def test_int16_results_are_the_same_on_every_instruction_set():
+    # integer sums are exact, and the rest is the same scalar code: AVX-512 VNNI and AVX2 agree bit for bit
+    levels = [level for level, mode in PATHS if mode == "int16"]
+    if len(levels) < 2:
+        pytest.skip("one int16 code path here")
+    weight, bias, x = _case(37, 650, seed=5)
+    outs = [q8.Int8WeightLinear(weight, bias, level=level, mode="int16")(x) for level in levels]
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
