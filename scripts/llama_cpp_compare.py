@@ -113,10 +113,12 @@ def run_ours(engine, prompt: str, new: int) -> dict:
             "exactness": stats.exactness}
 
 
-def process_time(stack: str, prompt: str, new: int, threads: int) -> float:
+def process_time(name: str, target: str, prompt: str, new: int, threads: int) -> float:
+    stack, _, weights = name.partition("@")
     start = time.perf_counter()
-    subprocess.run(["dynaspec", "generate", "--stack", stack, "--threads", str(threads), "--max-new-tokens", str(new),
-                    "--raw", prompt], check=True, capture_output=True, stdin=subprocess.DEVNULL)
+    subprocess.run(["dynaspec", "generate", "--stack", stack, "--set", f"target={target}", "--threads", str(threads),
+                    "--max-new-tokens", str(new), *(["--weights", weights] if weights else []), "--raw", prompt],
+                   check=True, capture_output=True, stdin=subprocess.DEVNULL)
     return time.perf_counter() - start
 
 
@@ -135,7 +137,8 @@ def main(argv=None) -> int:
     parser.add_argument("--gguf-dir", type=Path, default=Path("llamacpp-models"), help="where GGUFs are assembled")
     parser.add_argument("--target", default="gemma3-270m")
     parser.add_argument("--stacks", default="baseline,default", help="comma-separated; the first is the "
-                        "plain decoding whose text is compared with llama.cpp's")
+                        "plain decoding whose text is compared with llama.cpp's; `stack@weights` runs a stack "
+                        "with another weights setting (default@int8-head)")
     parser.add_argument("--source", choices=("bench", "dev"), default="bench")
     parser.add_argument("--prompts", type=int, default=14)
     parser.add_argument("--new-tokens", default="64,256")
@@ -156,8 +159,14 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     gguf = gguf_file(args.target, args.gguf_dir)
+    from dynaspec.runtime.stacks import resolve_stack
+
     names = args.stacks.split(",")
-    engines = Engine.from_stacks(names, overrides={"target": args.target})
+    configs = []
+    for name in names:  # "stack@weights": that stack with another weights setting
+        stack, _, weights = name.partition("@")
+        configs.append(resolve_stack(stack, overrides={"target": args.target, **({"weights": weights} if weights else {})}))
+    engines = Engine.from_stacks(configs)
     target = engines[0].target
     texts = [target.format_prompt(p) for p in prompts(args.source, args.prompts)]
     lengths = [int(n) for n in args.new_tokens.split(",")]
@@ -176,7 +185,7 @@ def main(argv=None) -> int:
     processes = {}
     if args.process_runs:
         for name in names:
-            processes[name] = process_time(name, texts[0], lengths[0], args.threads)
+            processes[name] = process_time(name, args.target, texts[0], lengths[0], args.threads)
     print(f"\n{args.target}, {args.source} prompts ({len(texts)}), {args.threads} thread(s), greedy; medians over "
           f"prompts{' and repeats' if args.repeats > 1 else ''}\n")
     print("| new tokens | system | weights | tokens/s (prefill included) | tokens/s (decoding only) | / llama.cpp "
