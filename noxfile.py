@@ -1,5 +1,5 @@
-"""nox sessions: `nox -s tests-torch`, `tests-torch-blocked`, `tests-triton` (the suite with the
-draft head on that backend; `nox -t tests` runs all three), `nox -s lint`, `nox -s bench`,
+"""nox sessions: `nox -s tests-torch`, `tests-torch-blocked`, `tests-int8-blocked`, `tests-triton` (the
+suite with the draft head on that backend; `nox -t tests` runs all four), `nox -s lint`, `nox -s bench`,
 `nox -s gpu` (exactness and speed of every stack on a CUDA GPU; skips without one).
 
 Sessions run in the current environment (torch is large; a CPU build is installed once, see the
@@ -8,9 +8,9 @@ README), with the package installed editable.
 
 import nox
 
-nox.options.sessions = [*(f"tests-{b}" for b in ["torch", "torch-blocked", "triton"]), "lint"]
+nox.options.sessions = [*(f"tests-{b}" for b in ["torch", "torch-blocked", "int8-blocked", "triton"]), "lint"]
 
-BACKENDS = ["torch", "torch-blocked", "triton"]
+BACKENDS = ["torch", "torch-blocked", "int8-blocked", "triton"]
 #: Triton runs under its CPU interpreter here, which is slow: its session runs the exactness and
 #: backend tests rather than the whole suite.
 TRITON_TESTS = ["tests/test_exactness.py", "tests/test_triton_backend.py", "tests/test_backends.py",
@@ -51,7 +51,7 @@ def bench(session: nox.Session) -> None:
     (with the per-draft-step breakdown), then the stacks side by side on the built-in prompt set.
     Figures and plots go to `bench-out/`."""
     session.run("python", "-m", "pip", "install", "--quiet", "-e", ".", external=True)
-    session.run("dynaspec", "bench-head", "--threads", "1", "--backends", "torch", "torch-blocked",
+    session.run("dynaspec", "bench-head", "--threads", "1", "--backends", "torch", "torch-blocked", "int8-blocked",
                 "--breakdown", "eagle-chain", "dynaspec",
                 "--out", "bench-out/head", external=True)
     session.run("dynaspec", "bench", "--threads", "1", "--stacks", "default", "eagle-chain", "fr-spec", "dynaspec",

@@ -48,12 +48,18 @@ def _blocked(params: NoParams, ctx: BuildContext) -> BlockedBackend:
 
 
 def _auto(params: NoParams, ctx: BuildContext):
-    """``triton`` where the target runs on CUDA and Triton is installed, else ``torch-blocked``."""
+    """``triton`` where the target runs on CUDA and Triton is installed; on a CPU ``int8-blocked``
+    where its kernel builds (it reads half the bytes of bfloat16 rows, a quarter of float32's, and
+    runs a shortlist of scattered clusters in one call); else ``torch-blocked``."""
     if torch.device(ctx.device).type == "cuda":
         from .triton_backend import TritonBackend, unavailable_reason
 
         if unavailable_reason() is None:
             return TritonBackend(ctx.lm_head_weight)
+    from .int8_backend import Int8BlockedBackend, int8_unavailable
+
+    if int8_unavailable(ctx) is None:
+        return Int8BlockedBackend(ctx.lm_head_weight, ctx.head_layout)
     return BlockedBackend(ctx.lm_head_weight, ctx.head_layout)
 
 
@@ -62,5 +68,5 @@ def dynaspec_backends():
     return [Component("torch-blocked", _blocked,
                       "LM head permuted once into the shortlister's layout; contiguous slices, no gather",
                       params=NoParams),
-            Component("auto", _auto, "triton on CUDA (when installed), torch-blocked elsewhere",
-                      params=NoParams)]
+            Component("auto", _auto, "triton on CUDA (when installed), int8-blocked on a CPU where its kernel "
+                      "builds, torch-blocked elsewhere", params=NoParams)]

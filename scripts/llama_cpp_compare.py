@@ -203,8 +203,12 @@ def main(argv=None) -> int:
             else:
                 engine = engines[names.index(name)]
                 weights = engine.target.weights
-                same = sum(r[name]["text"] == r[names[0]]["text"] for r in mine)
-                exact = f"{same}/{len(mine)} identical ({mine[0][name]['exactness']})"
+                # compared with the first stack's text where it has the same weights (its plain decoding)
+                if weights == engines[0].target.weights:
+                    same = sum(r[name]["text"] == r[names[0]]["text"] for r in mine)
+                    exact = f"{same}/{len(mine)} identical ({mine[0][name]['exactness']})"
+                else:
+                    exact = f"{mine[0][name]['exactness']} (other weights than {names[0]})"
                 proc = ""
             summary.append({"new_tokens": new, "system": name, "tps": tps, "decode_tps": dec,
                             "ratio_to_llama_cpp": ratio})

@@ -7,6 +7,7 @@ import torch
 
 from dynaspec.plugins.blocked_backend import BlockedBackend
 from dynaspec.plugins.torch_backend import TorchBackend
+from dynaspec.runtime import q8
 from dynaspec.runtime.types import Shortlist
 from dynaspec.shortlisters.router import ClusterLayout
 
@@ -54,13 +55,44 @@ def test_blocked_without_layout_gathers(setup):
     assert torch.allclose(BlockedBackend(weight, None).logits(hidden, sl), TorchBackend(weight).logits(hidden, sl))
 
 
-def test_auto_backend_is_torch_blocked_off_cuda(registry):
-    """``auto`` serves the draft head with Triton on CUDA and with the blocked torch product on the
-    CPU, where it keeps the shortlister's head layout."""
+INT8 = pytest.mark.skipif(q8.available() is not None, reason=f"int8 kernel unavailable: {q8.available()}")
+
+
+@INT8
+@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("ordered", [True, False])
+def test_int8_blocked_is_the_product_of_the_int8_rows(setup, rows, ordered):
+    from dynaspec.plugins.int8_backend import Int8BlockedBackend
+
+    weight, layout, dtype = setup
+    backend = Int8BlockedBackend(weight, layout.order if ordered else None)
+    q, scale = q8.quantize_rows(weight)
+    dequantised = TorchBackend(q.float() * scale[:, None])
+    reference = TorchBackend(weight)
+    hidden = torch.randn(rows, D, generator=torch.Generator().manual_seed(1))
+    for sl in _shortlists(layout):
+        got = backend.logits(hidden.to(dtype), sl)
+        if sl.is_full:  # the whole vocabulary: the torch product of the head itself
+            assert torch.equal(got, reference.logits(hidden.to(dtype), sl))
+            continue
+        want = dequantised.logits(hidden.to(dtype).float(), sl)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)  # float32 sums of the int8 rows
+        # and within the rows' rounding of the weights' own product
+        close = reference.logits(hidden.to(dtype), sl)
+        assert torch.allclose(got, close, atol=0.1, rtol=0.05)
+    assert backend.calls == 8
+    with pytest.raises(ValueError, match="row ids outside"):
+        backend.logits(hidden, Shortlist(torch.tensor([V])))
+
+
+def test_auto_backend_off_cuda(registry):
+    """``auto`` serves the draft head with Triton on CUDA; on a CPU with int8 rows where the
+    kernel builds, else with the blocked torch product; both keep the shortlister's head layout."""
     from conftest import make_engine, reference_greedy, trained_drafter
 
     engine = make_engine("llama", trained_drafter("llama"), registry, backend="auto",
                          draft={"mode": "chain", "depth": 3})
-    assert engine.backend.name == "torch-blocked"
+    assert engine.backend.name == ("int8-blocked" if q8.available() is None else "torch-blocked")
     prompt = [4, 5, 6]
     assert engine.generate(prompt, max_new_tokens=12).token_ids == reference_greedy("llama", prompt, 12)

@@ -104,6 +104,11 @@ def _library_for(level: str) -> ctypes.CDLL:
     lib.q8_quantize_pack.restype = None
     lib.q8_quantize_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                      ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.q8_rows.restype = lib.q8_quantize_rowmajor.restype = None
+    lib.q8_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.q8_quantize_rowmajor.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                         ctypes.c_void_p, ctypes.c_void_p]
     lib.q8_linear_i16.restype = None
     lib.q8_linear_i16.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
@@ -257,3 +262,45 @@ class Int8WeightLinear:
                 self._lib.q8_linear(rows.data_ptr(), m, self.in_features, self.packed.data_ptr(), self.tail.data_ptr(),
                     self.scale.data_ptr(), bias, self.out_features, out.data_ptr(), threads)
         return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+
+class Int8Rows:
+    """A matrix as int8 rows (one scale each, as :func:`quantize_rows`), stored row by row, whose
+    chosen rows multiply float activations in place (:meth:`logits`): a draft head over a shortlist
+    reads 1 byte per weight of the shortlisted rows and copies nothing. ``order`` (optional, a
+    permutation of the rows) stores them in that order, so that a shortlist of whole clusters is
+    read as contiguous runs."""
+
+    def __init__(self, weight: torch.Tensor, order: torch.Tensor | None = None, level: str | None = None) -> None:
+        if weight.dim() != 2:
+            raise ConfigError(f"int8 rows need a 2-D weight, got shape {tuple(weight.shape)}")
+        self._lib = _library(level)
+        self.rows, self.in_features = weight.shape
+        w = weight.detach()
+        w = (w if w.dtype in (torch.float32, torch.bfloat16) else w.float()).contiguous()
+        with torch.inference_mode():
+            q = torch.empty(self.rows, self.in_features, dtype=torch.int8)
+            scale = torch.empty(self.rows, dtype=torch.float32)
+            self._lib.q8_quantize_rowmajor(w.data_ptr(), int(w.dtype == torch.bfloat16), self.rows, self.in_features,
+                                           q.data_ptr(), scale.data_ptr())
+            self.position = None  # where each row is stored (None: in place)
+            if order is not None:
+                order = order.to(torch.long)
+                q, scale = q.index_select(0, order).contiguous(), scale.index_select(0, order).contiguous()
+                self.position = torch.empty_like(order)
+                self.position[order] = torch.arange(len(order))
+        self.q, self.scale = q, scale
+
+    def logits(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """float32 ``hidden @ W[ids].T`` ([M, len(ids)]) for 2-D ``hidden`` and 1-D row ``ids``."""
+        x = hidden.float().contiguous()
+        ids = ids.to(torch.long)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.rows):
+            raise ValueError(f"row ids outside 0..{self.rows - 1}")
+        where = (ids if self.position is None else self.position[ids]).contiguous()
+        out = torch.empty(x.shape[0], where.numel(), dtype=torch.float32)
+        if out.numel():
+            self._lib.q8_rows(x.data_ptr(), x.shape[0], self.in_features, self.q.data_ptr(), self.scale.data_ptr(),
+                              where.data_ptr(), where.numel(), out.data_ptr(), torch.get_num_threads())
+        return out
+

@@ -382,3 +382,48 @@ void q8_quantize_pack(const void *w, int bf16, int64_t N, int64_t K, int64_t Kp,
             }
         }
 }
+
+/* ---- chosen rows of a row-major int8 matrix, for the draft head ------------------------------------
+ * y[m, r] = scale[ids[r]] * (x[m] . q[ids[r]]) for float32 x [M, K] and int8 q [V, K] stored row by
+ * row (a shortlist of LM-head rows, read in place: no gather copy). Drafting needs no batch
+ * invariance, but the sums are still in a fixed order. */
+void q8_rows(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale, const int64_t *ids,
+             int64_t R, float *y, int threads) {
+    const int64_t kv = K - K % LANES;
+#pragma omp parallel for schedule(static) num_threads(threads > 1 ? threads : 1) if (threads > 1)
+    for (int64_t r = 0; r < R; r++) {
+        const int8_t *row = q + ids[r] * K;
+        for (int64_t m0 = 0; m0 < M; m0 += MB) {
+            const int mb = (int)(M - m0 < MB ? M - m0 : MB);
+            vec acc[MB];
+            for (int i = 0; i < mb; i++) acc[i] = v_zero();
+            for (int64_t k = 0; k < kv; k += LANES) {
+                const vec w = v_weights(row + k);
+                for (int i = 0; i < mb; i++) acc[i] = v_fma(v_load(x + (m0 + i) * K + k), w, acc[i]);
+            }
+            for (int i = 0; i < mb; i++) {
+                float s = v_sum(acc[i]);
+                for (int64_t k = kv; k < K; k++) s = s + x[(m0 + i) * K + k] * (float)row[k];
+                y[(m0 + i) * R + r] = s * scale[ids[r]];
+            }
+        }
+    }
+}
+
+/* q [N, K] row-major int8 and scale [N] of w (float32, or bfloat16 with bf16 != 0), as in
+ * q8_quantize_pack: scale = largest magnitude / 127 (1 for zeros), q = w / scale rounded to even. */
+void q8_quantize_rowmajor(const void *w, int bf16, int64_t N, int64_t K, int8_t *q, float *scale) {
+    for (int64_t n = 0; n < N; n++) {
+        float amax = 0.0f;
+        for (int64_t k = 0; k < K; k++) {
+            float v = fabsf(load_any(w, bf16, n * K + k));
+            amax = v > amax ? v : amax;
+        }
+        const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+        scale[n] = s;
+        for (int64_t k = 0; k < K; k++) {
+            float v = nearbyintf(load_any(w, bf16, n * K + k) / s);
+            q[n * K + k] = (int8_t)(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+        }
+    }
+}
