@@ -4,7 +4,7 @@ stack with ``exact = "required"`` uses) and the LM head (``TargetModel.logits`` 
 with float32 weights on a CPU that pads, a greedy plain step first tries the cheaper certified
 one-row product, which this does not time). Medians of 15.
 
-    python scripts/step_cost.py --target gemma3-270m --weights dtype,float16,int8-head --threads 1
+    python scripts/step_cost.py --target gemma3-270m --weights dtype,float16,int8-head,int8 --threads 1
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="gemma3-270m")
-    parser.add_argument("--weights", default="dtype,float16,int8-head")
+    parser.add_argument("--weights", default="dtype,float16,int8-head,int8")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """What each ``weights`` setting costs in quality, against the target dtype's own weights.
 
-For every setting (``dtype``, ``float16``, ``int8-head``) the target is loaded as a stack would
+For every setting (``dtype``, ``float16``, ``int8-head``, ``int8``) the target is loaded as a stack would
 load it (the lean forward and LM head on that setting's kernels), then:
 
 - **log-likelihood on held text**: the mean log-probability per token of ShareGPT dev-split

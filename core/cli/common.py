@@ -90,7 +90,8 @@ def add_placement(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default=None, choices=["auto", "dtype", "float16", "int8-head", "int8"],
                         help="what the target's decoder and LM head compute from (default: the stack's "
                         "`weights`; auto = the fastest setting measured within 1%% of the target's own "
-                        "log-likelihood: int8-head for the built-in targets on x86, else dtype); the "
+                        "log-likelihood: int8 for the built-in targets on x86 with a C compiler, int8-head "
+                        "without one, else dtype); the "
                         "baseline it is compared with uses the same weights")
 
 

@@ -21,6 +21,8 @@
 #include <stdint.h>
 #include <stddef.h>
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -353,34 +355,27 @@ void q8_linear_i16(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, co
  * written straight into the kernel's layout: tiles of NB rows (the last padded with zero rows), the
  * first kv = Kp - Kp % lanes columns as [kv / lanes][NB][lanes], the rest of each row into tail
  * [N][Kp - kv]; columns K..Kp (zero padding) are zeros. One pass over the weights. */
+void q8_quantize_rowmajor(const void *w, int bf16, int64_t N, int64_t K, int8_t *q, float *scale);
+
 void q8_quantize_pack(const void *w, int bf16, int64_t N, int64_t K, int64_t Kp, int lanes, int8_t *packed,
                       int8_t *tail, float *scale) {
     const int64_t kv = Kp - Kp % lanes, kt = Kp - kv, tiles = (N + NB - 1) / NB;
+    int8_t *row = (int8_t *)calloc((size_t)Kp, 1); /* one row quantised, then copied into place */
+    if (!row) return;
     for (int64_t t = 0; t < tiles; t++)
         for (int j = 0; j < NB; j++) {
             const int64_t n = t * NB + j;
+            if (n < N) {
+                const size_t bytes = bf16 ? 2 : 4;
+                q8_quantize_rowmajor((const char *)w + (size_t)(n * K) * bytes, bf16, 1, K, row, scale + n);
+            } else {
+                memset(row, 0, (size_t)K);
+            }
             int8_t *dst = packed + t * NB * kv + (int64_t)j * lanes;
-            if (n >= N) {
-                for (int64_t k = 0; k < kv; k += lanes)
-                    for (int l = 0; l < lanes; l++) dst[k * NB + l] = 0;
-                continue;
-            }
-            float amax = 0.0f;
-            for (int64_t k = 0; k < K; k++) {
-                float v = fabsf(load_any(w, bf16, n * K + k));
-                amax = v > amax ? v : amax;
-            }
-            const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-            scale[n] = s;
-            for (int64_t k = 0; k < Kp; k++) {
-                float v = k < K ? nearbyintf(load_any(w, bf16, n * K + k) / s) : 0.0f;
-                v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-                if (k < kv)
-                    dst[(k / lanes) * NB * lanes + k % lanes] = (int8_t)v;
-                else
-                    tail[n * kt + (k - kv)] = (int8_t)v;
-            }
+            for (int64_t k = 0; k < kv; k += lanes) memcpy(dst + k * NB, row + k, (size_t)lanes);
+            if (n < N && kt) memcpy(tail + n * kt, row + kv, (size_t)kt);
         }
+    free(row);
 }
 
 /* ---- chosen rows of a row-major int8 matrix, for the draft head ------------------------------------
