@@ -165,3 +165,16 @@ def test_packing_in_row_blocks_computes_the_same_product(monkeypatch):
     assert torch.equal(blocked8(x), whole8)  # integer sums: exact whatever the blocking
     assert torch.allclose(blocked16(x), whole16, rtol=1e-5, atol=1e-5)
     assert blocked8.quantised_weight().shape == weight.shape
+
+
+def test_weight_bytes_follow_the_weights_setting():
+    from dynaspec.evaluation.cost_model import weight_bytes
+    from dynaspec.plugins.tiny import tiny_target
+
+    target = tiny_target("llama")
+    total = sum(p.numel() for p in target.model.parameters())
+    head = target.lm_head_weight.numel()
+    assert weight_bytes(target) == total * 4  # float32, as loaded
+    for weights, want in (("float16", 2 * total), ("int8-head", 2 * (total - head) + head), ("int8", total)):
+        target.weights = weights  # the setting alone decides the count
+        assert weight_bytes(target) == want, weights

@@ -33,9 +33,19 @@ def read_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
     return buffer.numel() * buffer.element_size() / statistics.median(times)
 
 
+#: bytes per weight of the decoder body and of the LM head, per quantised weights setting
+_WEIGHT_SIZES = {"float16": (2, 2), "int8-head": (2, 1), "int8": (1, 1)}
+
+
 def weight_bytes(target) -> int:
-    """Bytes of the target's weights (a tied embedding and LM head counted once)."""
-    return sum(p.numel() * p.element_size() for p in target.model.parameters())
+    """Bytes of the target's weights as its ``weights`` setting stores them (a tied embedding and
+    LM head counted once): the dtype's size, or 2 or 1 byte a weight for the quantised settings."""
+    params = list(target.model.parameters())
+    sizes = _WEIGHT_SIZES.get(getattr(target, "weights", "dtype"))
+    if sizes is None:
+        return sum(p.numel() * p.element_size() for p in params)
+    total, head = sum(p.numel() for p in params), target.lm_head_weight.numel()
+    return (total - head) * sizes[0] + head * sizes[1]
 
 
 def cost_figures(rows: Sequence[Mapping[str, Any]], baseline: Sequence[Mapping[str, Any]], *,
