@@ -24,6 +24,7 @@ covered (:func:`lean_support`) runs through the Hugging Face modules as before.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import torch
@@ -164,7 +165,7 @@ class LeanDecoder:
             from dynaspec.runtime import q8
 
             if q8.available() is None:
-                self._c_norm = q8.rms_norm
+                self._c_norm = functools.partial(q8.rms_norm, lib=q8._library())
                 # float32 copies of Llama's norm weights (they multiply the rounded row exactly so)
                 for layer in self.layers:
                     layer.norms = [n if n.dtype == torch.float32 else n.float() for n in layer.norms]

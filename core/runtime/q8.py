@@ -150,12 +150,14 @@ def isa(level: str | None = None) -> str:
 
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, round_first: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, round_first: bool = False,
+             lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension, each row on its own, in
     float32, for a float32 or bfloat16 ``x`` (returned in its dtype); ``weight`` is float32.
     ``round_first``: the normed row is rounded to ``x``'s dtype before ``weight`` multiplies it
     (Llama's order; Gemma's multiplies first). One C call instead of some eight tensor operations:
-    a decoding step of a small target normalises over a hundred short rows."""
+    a decoding step of a small target normalises over a hundred short rows. ``lib``: the library
+    (:func:`_library`), for callers in the decode loop that look it up once."""
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"rms_norm of {x.dtype}: float32 or bfloat16")
     d = x.shape[-1]
@@ -163,7 +165,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, round_
         raise ValueError(f"rms_norm weight must be a contiguous float32 vector of {d}")
     x = x.contiguous()
     out = torch.empty_like(x)
-    _library().q8_rms_norm(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel() // max(d, 1), d,
+    (lib or _library()).q8_rms_norm(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel() // max(d, 1), d,
                            None if weight is None else weight.data_ptr(), int(round_first), eps, out.data_ptr())
     return out
 
