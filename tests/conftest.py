@@ -111,3 +111,28 @@ def tiny_spec_stack(tmp_path, monkeypatch):
     monkeypatch.setattr(stacks_mod, "resolve_stack",
                         lambda ref, **kw: real(str(base) if ref == "baseline" else ref, **kw))
     return spec
+
+
+# -- the int8 kernel's reference (dynaspec.runtime.q8): what its C quantisation and packing compute --
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: each row of ``weight`` as int8 in [-127, 127] times its float32 scale (its
+    largest magnitude over 127; rows of zeros get scale 1)."""
+    w = weight.detach().float()
+    amax = torch.linalg.vector_norm(w, float("inf"), dim=1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def pack_tiles(q: torch.Tensor, lanes: int, tile_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed, tail)``: int8 weights ``q`` [N, K] in the kernel's layout. For each tile of
+    ``tile_rows`` rows (the last padded with zero rows), its first ``K - K % lanes`` columns as
+    [K / lanes, tile_rows, lanes]; the last ``K % lanes`` columns of every row apart, [N, K % lanes]."""
+    n, k = q.shape
+    kv = k - k % lanes
+    tiles = -(-n // tile_rows)
+    body = q.new_zeros(tiles * tile_rows, kv)
+    body[:n] = q[:, :kv]
+    packed = body.view(tiles, tile_rows, kv // lanes, lanes).transpose(1, 2).contiguous().view(-1)
+    return packed, q[:, kv:].contiguous()
+

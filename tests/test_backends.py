@@ -66,7 +66,9 @@ def test_int8_blocked_is_the_product_of_the_int8_rows(setup, rows, ordered):
 
     weight, layout, dtype = setup
     backend = Int8BlockedBackend(weight, layout.order if ordered else None)
-    q, scale = q8.quantize_rows(weight)
+    from conftest import quantize_rows
+
+    q, scale = quantize_rows(weight)
     dequantised = TorchBackend(q.float() * scale[:, None])
     reference = TorchBackend(weight)
     hidden = torch.randn(rows, D, generator=torch.Generator().manual_seed(1))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import pack_tiles, quantize_rows
 from dynaspec.errors import ConfigError
 from dynaspec.runtime import q8
 from dynaspec.runtime import quantized as qz
@@ -36,18 +37,18 @@ def test_the_kernels_packing_is_quantize_rows_then_pack(shape, dtype, level, mod
     weight = weight.to(dtype)
     weight[min(2, shape[0] - 1)] = 0  # a row of zeros
     kernel = q8.Int8WeightLinear(weight, bias, level=level, mode=mode)
-    q, scale = q8.quantize_rows(weight)
+    q, scale = quantize_rows(weight)
     assert torch.equal(kernel.scale, scale)
     assert torch.equal(kernel.quantised_weight(), q.float() * scale[:, None])
     lanes, tile_rows = kernel._layout
     padded = torch.cat([q, q.new_zeros(q.shape[0], kernel._padded_in - shape[1])], dim=1)
-    packed, tail = q8.pack(padded, lanes, tile_rows)
+    packed, tail = pack_tiles(padded, lanes, tile_rows)
     assert torch.equal(kernel.packed, packed) and torch.equal(kernel.tail, tail)
 
 
 def test_quantize_rows_round_trip_and_zero_rows():
     weight = torch.tensor([[1.0, -0.5, 0.25], [0.0, 0.0, 0.0], [-3.0, 3.0, 1.0]])
-    q, scale = q8.quantize_rows(weight)
+    q, scale = quantize_rows(weight)
     assert q.dtype == torch.int8 and int(q.abs().max()) == 127
     assert scale[1] == 1.0 and torch.equal(q[1], torch.zeros(3, dtype=torch.int8))
     assert torch.allclose(q.float() * scale[:, None], weight, atol=float(scale.max()) / 2)

@@ -123,14 +123,12 @@ def verdicts_file() -> str:
 PROBE_VERSION = 2  # bump when the probe or SPLITS change: remembered verdicts are then re-probed
 
 
-def _machine() -> str:
-    """What decides which kernels run: torch's version and build, the processor or GPU, the CPU
-    capability torch dispatches to and oneDNN's ISA limit (both can be lowered by environment
-    variables), and the thread count (kernels block differently across threads)."""
-    import os
+def processor() -> tuple[str, str]:
+    """The CPU's model name and a short hash of its feature flags (``/proc/cpuinfo``; where that is
+    missing, ``platform.processor()`` and no flags)."""
+    import hashlib
     import platform
 
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
     try:
         with open("/proc/cpuinfo") as fh:
             info = fh.read()
@@ -138,11 +136,21 @@ def _machine() -> str:
         flags = next((line.split(":", 1)[1] for line in info.splitlines() if line.startswith("flags")), "")
     except OSError:
         model, flags = platform.processor(), ""
-    import hashlib
+    return model, hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:12]
 
+
+def _machine() -> str:
+    """What decides which kernels run: torch's version and build, the processor or GPU, the CPU
+    capability torch dispatches to and oneDNN's ISA limit (both can be lowered by environment
+    variables), and the thread count (kernels block differently across threads)."""
+    import hashlib
+    import os
+    import platform
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    model, flags = processor()
     build = hashlib.sha256(torch.__config__.show().encode()).hexdigest()[:12]
-    return "|".join([f"probe{PROBE_VERSION}", torch.__version__, build, platform.machine(), model, gpu,
-                     hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:12],
+    return "|".join([f"probe{PROBE_VERSION}", torch.__version__, build, platform.machine(), model, gpu, flags,
                      torch.backends.cpu.get_cpu_capability(), os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
                      f"threads{torch.get_num_threads()}"])
 

@@ -45,17 +45,6 @@ def _compiler() -> str | None:
     return None
 
 
-def _processor() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            info = fh.read()
-        flags = next((line.split(":", 1)[1] for line in info.splitlines() if line.startswith("flags")), "")
-        model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
-        return model + " " + " ".join(sorted(flags.split()))
-    except OSError:
-        return platform.processor()
-
-
 def _build(cc: str, out: Path, openmp: bool, level: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -78,6 +67,7 @@ def _library(level: str | None = None) -> ctypes.CDLL:
 
 @functools.lru_cache(maxsize=None)
 def _library_for(level: str) -> ctypes.CDLL:
+    from dynaspec.runtime.batch_invariance import processor
     from dynaspec.runtime.cache import cache_root
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -87,7 +77,7 @@ def _library_for(level: str) -> ctypes.CDLL:
         raise OSError("no C compiler found (set CC, or install gcc or clang)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS + LEVELS[level]), cc, *version,
-                                    _processor()]).encode()).hexdigest()[:16]
+                                    *processor()]).encode()).hexdigest()[:16]
     lib_path = cache_root() / "kernels" / f"q8_linear-{level}-{key}.so"
     if not lib_path.exists():
         try:
@@ -119,20 +109,6 @@ def _library_for(level: str) -> ctypes.CDLL:
     return lib
 
 
-def pack(q: torch.Tensor, lanes: int, tile_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(packed, tail)``: int8 weights ``q`` [N, K] in the kernel's layout. For each tile of
-    ``tile_rows`` rows (the last padded with zero rows), its first ``K - K % lanes`` columns as
-    [K / lanes, tile_rows, lanes], so that the kernel reads a tile as one sequential stream; the
-    last ``K % lanes`` columns of every row apart, [N, K % lanes]."""
-    n, k = q.shape
-    kv = k - k % lanes
-    tiles = -(-n // tile_rows)
-    body = q.new_zeros(tiles * tile_rows, kv)
-    body[:n] = q[:, :kv]
-    packed = body.view(tiles, tile_rows, kv // lanes, lanes).transpose(1, 2).contiguous().view(-1)
-    return packed, q[:, kv:].contiguous()
-
-
 def available(device: torch.device | str = "cpu", level: str | None = None) -> str | None:
     """None where the int8 kernel runs on ``device``, else why not."""
     if torch.device(device).type != "cpu":
@@ -147,7 +123,6 @@ def available(device: torch.device | str = "cpu", level: str | None = None) -> s
 def isa(level: str | None = None) -> str:
     """The instruction set the kernel was built for here: ``avx512``, ``avx2`` or ``scalar``."""
     return _library(level).q8_isa().decode()
-
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, round_first: bool = False,
@@ -168,16 +143,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, round_
     (lib or _library()).q8_rms_norm(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel() // max(d, 1), d,
                            None if weight is None else weight.data_ptr(), int(round_first), eps, out.data_ptr())
     return out
-
-
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, scale)``: each row of ``weight`` as int8 in [-127, 127] times its float32 scale (its
-    largest magnitude over 127; rows of zeros get scale 1)."""
-    w = weight.detach().float()
-    amax = torch.linalg.vector_norm(w, float("inf"), dim=1)
-    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q.contiguous(), scale.contiguous()
 
 
 #: how the kernel multiplies (see kernels/q8_linear.c): ``float`` (activations as float32, FMAs),
@@ -220,7 +185,7 @@ class Int8WeightLinear:
         self._layout = (lanes, self._lib.q8_tile_rows())
         # int16 mode: K padded with zero weights to a whole number of steps (no tail columns)
         self._padded_in = -(-self.in_features // lanes) * lanes if self.mode == "int16" else self.in_features
-        with torch.inference_mode():  # quantised and packed in one pass (as quantize_rows, then pack)
+        with torch.inference_mode():  # quantised and packed in one pass (see q8_quantize_pack)
             w = weight.detach()
             w = (w if w.dtype in (torch.float32, torch.bfloat16) else w.float()).contiguous()
             n, kp, tile_rows = self.out_features, self._padded_in, self._layout[1]
@@ -267,7 +232,7 @@ class Int8WeightLinear:
 
 
 class Int8Rows:
-    """A matrix as int8 rows (one scale each, as :func:`quantize_rows`), stored row by row, whose
+    """A matrix as int8 rows (one scale each, as :class:`Int8WeightLinear`), stored row by row, whose
     chosen rows multiply float activations in place (:meth:`logits`): a draft head over a shortlist
     reads 1 byte per weight of the shortlisted rows and copies nothing. ``order`` (optional, a
     permutation of the rows) stores them in that order, so that a shortlist of whole clusters is
