@@ -87,6 +87,36 @@ def test_training_with_fused_features(tmp_path):
     assert drafter.fuse.weight[:, : tgt.hidden_size].abs().max() > 0  # it learned to read layer 0
 
 
+def test_collection_writes_the_layer_inputs_in_the_same_pass(tmp_path, monkeypatch):
+    """Collected with ``feature_layers``, each shard's layer inputs are written beside it (as
+    training would compute them), so training runs no second pass of the target; bad layers are
+    refused before any work."""
+    from dynaspec.training import collect as dc
+
+    tgt = target("llama")
+    gen = torch.Generator().manual_seed(1)
+    prompts = [(f"p{k}", torch.randint(3, 99, (5,), generator=gen).tolist()) for k in range(4)]
+    monkeypatch.setattr(dc, "_prompt_batches", lambda tokenizer, start, count, *a, **k: prompts[start:start + count])
+    count = len(tgt.decoder.layers)
+    with pytest.raises(ConfigError, match=r"feature layers \[0, 2\] must lie in 0..1"):
+        dc.collect(tgt, tmp_path / "bad", prompts=4, shard_size=2, new_tokens=8, feature_layers=(2, 0))
+    assert not (tmp_path / "bad").exists() or not shard_paths(tmp_path / "bad")
+    work = tmp_path / "work"
+    dc.collect(tgt, work, prompts=4, shard_size=2, batch=2, new_tokens=8, feature_layers=(1, 0))
+    for path in shard_paths(work):
+        written = load_shard(path, (0, 1))["layer_inputs"]
+        shard = load_shard(path)
+        offs = shard["offsets"].tolist()
+        expected = torch.cat([tgt.fused_features(shard["tokens"][a:b].long(), (0, 1))
+                              for a, b in zip(offs[:-1], offs[1:])])
+        assert written.shape == (shard["tokens"].numel(), 2 * tgt.hidden_size) and count == 2
+        torch.testing.assert_close(written.float(), expected.float(), atol=0.05, rtol=0.02)
+    stamps = [layer_inputs_path(p, (0, 1)).stat().st_mtime_ns for p in shard_paths(work)]
+    dt.train(tgt, work, tmp_path / "d", feature_layers=[0, 1], window=16, batch_positions=32, unroll=2,
+             frequent=16, steps=2, checkpoint_every=2)
+    assert stamps == [layer_inputs_path(p, (0, 1)).stat().st_mtime_ns for p in shard_paths(work)]
+
+
 def test_prepare_with_fused_features_is_exact(tmp_path):
     """``prepare --feature-layers``: the drafter reads fused layers, its router is trained on what it
     sees at draft time, and the stack decodes exactly what the target decodes."""

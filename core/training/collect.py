@@ -93,7 +93,7 @@ def _raw_batches(tokenizer, start: int, count: int, max_tokens: int, split: str 
 @torch.inference_mode()
 def _teacher(target: TargetModel, feats: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     """The target's greedy next token after every position (argmax of its full logits)."""
-    return torch.cat([target.logits(feats[i:i + chunk].float()).argmax(-1) for i in range(0, len(feats), chunk)])
+    return torch.cat([target.logits(feats[i:i + chunk].to(target.dtype)).argmax(-1) for i in range(0, len(feats), chunk)])
 
 
 @torch.inference_mode()
@@ -111,10 +111,18 @@ def _generate(target: TargetModel, prompts: list[list[int]], new_tokens: int, te
         mask[row, width - len(p):] = 1
     sampling = {"do_sample": False} if temperature <= 0 else \
         {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-    with torch.random.fork_rng():  # the caller's random state is left as it was
-        torch.manual_seed(seed)
-        out = target.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                    pad_token_id=pad, **sampling)
+    # generate's prefill hands the LM head the last position of each row as a strided view
+    # [B, 1, d]; torch multiplies such a view by copying the whole head once per row (24 s of a
+    # 34 s prefill of 16 Qwen prompts in bfloat16). A contiguous copy of the view is the same input.
+    head = target.model.get_output_embeddings()
+    hook = head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]))
+    try:
+        with torch.random.fork_rng():  # the caller's random state is left as it was
+            torch.manual_seed(seed)
+            out = target.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                        pad_token_id=pad, **sampling)
+    finally:
+        hook.remove()
     eos = set(target.eos_token_ids)
     conts = []
     for row in range(len(prompts)):
@@ -154,7 +162,7 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
             new_tokens: int = 96, max_prompt_tokens: int = 384, worker: int = 0,
             workers: int = 1, split: str = "train", slice_name: str | None = None,
             source: str = "generated", turns: str = "first", temperature: float = 0.0,
-            seed: int = 0) -> list[Path]:
+            seed: int = 0, feature_layers: tuple[int, ...] | None = None) -> list[Path]:
     """Write shards ``work/shard-NNNNN.safetensors`` covering the first ``prompts`` prompts of
     ``split`` (only those of one slice of it with ``slice_name``).
 
@@ -172,12 +180,22 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
     ``teacher`` too, since a sampled token is not always the target's greedy choice. Several seeds
     give several continuations of the same prompts, one folder each.
 
+    ``feature_layers`` (a drafter's fused-feature layers, as given to its training): the inputs
+    of those target layers below the last are written beside each shard in the same pass
+    (``layers-A-B/``), so that training does not run the target over the shards a second time.
+
     ``workers`` processes can share the work: worker ``w`` makes the shards ``i`` with
     ``i % workers == w``. Under ``torchrun`` each process is one such worker, and all of them
     return once every shard is written."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
+    from dynaspec.training.drafter import write_layer_inputs
+
+    lower = tuple(sorted({int(i) for i in feature_layers or ()}))
+    count = len(target.decoder.layers)
+    if any(not 0 <= i < count for i in lower):
+        raise ConfigError(f"feature layers {list(lower)} must lie in 0..{count - 1}: the target has {count} layers")
     rank, world = distributed.join()
     if world > 1 and workers == 1:
         worker, workers = rank, world
@@ -214,7 +232,14 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
         if not items:
             paths.pop()
             break  # the split (or slice) has fewer prompts than asked for
-        feats = [target.forward(torch.tensor(s), torch.arange(len(s)), target.new_cache()) for s in seqs]
+        if lower:  # the fused features' layer inputs come with the same pass, not a second one later
+            pairs = [target.forward(torch.tensor(s), torch.arange(len(s)), target.new_cache(), layers=lower)
+                     for s in seqs]
+            feats = [hidden for hidden, _ in pairs]
+            write_layer_inputs(target, path, lower, [inputs for _, inputs in pairs])
+            del pairs
+        else:
+            feats = [target.forward(torch.tensor(s), torch.arange(len(s)), target.new_cache()) for s in seqs]
         extra = {}
         if source == "raw" or temperature > 0:
             extra["teacher"] = torch.cat([_teacher(target, f) for f in feats]).to(torch.int32)
@@ -225,7 +250,8 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
                    "features": torch.cat(feats).contiguous(), **extra}
         meta = {"ids": json.dumps([i for i, _ in items]), "target": json.dumps(target.fingerprint()),
                 "split": split, "slice": slice_name or "all", "source": source, "turns": turns, "sampling": sampling,
-                "new_tokens": str(new_tokens), "seconds": f"{time.time() - started:.3f}"}
+                "new_tokens": str(new_tokens),
+                "dtype": str(target.dtype).removeprefix("torch."), "seconds": f"{time.time() - started:.3f}"}
         atomic_write(path, lambda p, t=tensors, m=meta: save_file(t, str(p), metadata=m))
         bar.update(1)
         bar.set_postfix(positions=int(offsets[-1]))

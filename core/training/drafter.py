@@ -148,7 +148,6 @@ def _step_loss(model: torch.nn.Module, head: torch.Tensor, frequent: torch.Tenso
 def _layer_inputs(target: TargetModel, paths: list[Path], layers: tuple[int, ...]) -> None:
     """Compute, once, the inputs of target ``layers`` at every position of each shard (a drafter
     with fused features reads them), written atomically beside the shards; resumable."""
-    from safetensors.torch import save_file
     from tqdm import tqdm
 
     if not layers:
@@ -159,11 +158,19 @@ def _layer_inputs(target: TargetModel, paths: list[Path], layers: tuple[int, ...
         shard = load_shard(path)
         tokens, offs = shard["tokens"].long().to(target.device), shard["offsets"].tolist()
         parts = [target.fused_features(tokens[a:b], layers) for a, b in zip(offs[:-1], offs[1:])]
-        inputs = torch.cat(parts).to(torch.bfloat16).cpu().contiguous()
-        out = layer_inputs_path(path, layers)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(out, lambda p, inputs=inputs: save_file({"inputs": inputs}, str(p), metadata={
-            "layers": ",".join(map(str, layers)), "target": target.fingerprint()["lm_head_sha256_rows64"]}))
+        write_layer_inputs(target, path, layers, parts)
+
+
+def write_layer_inputs(target: TargetModel, shard: Path, layers: tuple[int, ...], parts: list[torch.Tensor]) -> None:
+    """Write the inputs of target ``layers`` for ``shard`` (one [T, len(layers) * d] tensor per
+    sequence), atomically, where :func:`~dynaspec.training.shards.load_shard` finds them."""
+    from safetensors.torch import save_file
+
+    inputs = torch.cat(parts).to(torch.bfloat16).cpu().contiguous()
+    out = layer_inputs_path(shard, layers)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, lambda p, inputs=inputs: save_file({"inputs": inputs}, str(p), metadata={
+        "layers": ",".join(map(str, layers)), "target": target.fingerprint()["lm_head_sha256_rows64"]}))
 
 
 def _save_checkpoint(drafter: Drafter, opt: torch.optim.Optimizer, state: dict[str, Any], work: Path) -> None:
