@@ -28,25 +28,33 @@ def register(sub) -> None:
                     help="run only these stages (default: all, skipping those already done)")
     pr.add_argument("--redo", nargs="+", default=[], metavar="STAGE", choices=list(PREPARE_STAGES),
                     help="run these stages again even if done (collect resumes and extends)")
-    pr.add_argument("--prompts", type=positive_int, default=2048, help="train prompts to collect")
-    pr.add_argument("--source", choices=["raw", "generated"], default="raw",
-                    help="raw: prompt + the conversation's answer in one prefill (cheap); generated: "
-                    "prompt + the target's own greedy continuation")
-    pr.add_argument("--new-tokens", type=positive_int, default=256,
-                    help="answer tokens kept (raw) or generated (generated) per prompt")
+    pr.add_argument("--prompts", type=positive_int, default=2048,
+                    help="train prompts to collect (how much data a good drafter takes: see the end of this "
+                    "help)")
+    pr.add_argument("--source", choices=["raw", "generated"], default="generated",
+                    help="generated: prompt + the target's own greedy continuation (what it will draft "
+                    "against: the better drafter); raw: prompt + the conversation's own answer in one "
+                    "prefill (several times cheaper per position, a worse drafter)")
+    pr.add_argument("--new-tokens", type=positive_int, default=None,
+                    help="tokens generated (generated; default 96) or answer tokens kept (raw; default 256) "
+                    "per prompt")
     pr.add_argument("--steps", type=positive_int, default=1000, help="drafter optimiser steps")
     pr.add_argument("--batch-positions", type=positive_int, default=2048)
     pr.add_argument("--drafter-width", type=positive_int, default=None,
                     help="width of the drafter's MLP (default: the target's intermediate size; narrower is "
                     "a smaller artifact and a cheaper draft step)")
-    pr.add_argument("--feature-layers", type=int, nargs="+", default=None, metavar="LAYER",
+    pr.add_argument("--feature-layers", nargs="+", default=["auto"], metavar="LAYER",
                     help="EAGLE-3-style fused features: target layers whose inputs the drafter reads "
-                    "beside the final hidden state (say a low and a middle one)")
+                    "beside the final hidden state; 'auto' (the default): a low and a middle one, layers "
+                    "L//8 and L//2 of L; 'none': the final hidden state alone")
     pr.add_argument("--clusters", type=positive_int, default=None, metavar="M",
                     help="vocabulary clusters (default: the vocabulary / 16, at most 1024)")
     pr.add_argument("--router-epochs", type=positive_int, default=3, help="passes over the router's examples")
     pr.add_argument("--router-width", type=positive_int, default=1024, help="hidden width of the router's MLP")
     pr.add_argument("--shard-size", type=positive_int, default=64)
+    pr.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="the target's dtype while preparing: auto is bfloat16 where the CPU computes it "
+                    "natively (its prefills run 2-3x faster there), else float32")
 
     tr = command(sub, cmd_train_drafter, "train-drafter", target=True,
         help="collect target features on ShareGPT train and train the drafter")
@@ -91,10 +99,14 @@ def register(sub) -> None:
     tr.add_argument("--max-shards", type=int, default=None, help="train on the first N shards only")
     tr.add_argument("--feature-layers", type=int, nargs="+", default=None, metavar="LAYER",
                     help="EAGLE-3-style fused features: the target layers whose inputs the drafter reads "
-                    "beside the final hidden state (say 2 9: a low and a middle layer); computed once "
-                    "per shard into layers-A-B/ beside the shards")
+                    "beside the final hidden state (say 2 9: a low and a middle layer); kept per shard "
+                    "in layers-A-B/ beside the shards, written by the collection when given to it too (else "
+                    "computed once by training, a second pass of the target over the shards)")
     tr.add_argument("--drafter-width", type=positive_int, default=None,
                     help="width of the drafter's MLP (default: the target's intermediate size)")
+    tr.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="the target's dtype for collection and fused features: auto is bfloat16 where the "
+                    "CPU computes it natively (2-3x faster prefills there), else float32")
     tr.add_argument("--init", metavar="DRAFTER", default=None,
                     help="start from this drafter's weights (a folder, or a built-in name such as "
                     "gemma3-270m) instead of random ones: more training on more data; its architecture "
@@ -136,6 +148,16 @@ def register(sub) -> None:
     rt.add_argument("--frequency", default=None, help="frequency list (name or path) of the --core")
 
 
+def _feature_layers(values: list[str]) -> tuple[int, ...] | str:
+    """``--feature-layers`` of prepare: ``auto``, ``none`` or layer numbers."""
+    if values in (["auto"], ["none"]):
+        return "auto" if values == ["auto"] else ()
+    try:
+        return tuple(int(v) for v in values)
+    except ValueError:
+        raise ConfigError(f"--feature-layers {' '.join(values)}: give layer numbers, 'auto' or 'none'") from None
+
+
 def cmd_prepare(args: argparse.Namespace) -> int:
     """Build everything a DynaSpec stack needs for a new target, resumably, in stages: collect train
     features in the target's prompt format, train the drafter (unless --drafter is given), count the
@@ -146,10 +168,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     budget = PrepareBudget(prompts=args.prompts, source=args.source, shard_size=args.shard_size,
                            new_tokens=args.new_tokens, steps=args.steps, batch_positions=args.batch_positions,
-                           drafter_width=args.drafter_width, feature_layers=args.feature_layers,
+                           drafter_width=args.drafter_width, feature_layers=_feature_layers(args.feature_layers),
                            clusters=args.clusters,
                            router_epochs=args.router_epochs,
-                           router_width=args.router_width)
+                           router_width=args.router_width, dtype=args.dtype)
     manifest = prepare(args.target, Path(args.out), budget=budget, drafter=args.drafter, redo=tuple(args.redo),
                        only=tuple(args.stage), command=command_line())
     for name, stage in manifest["stages"].items():
@@ -172,14 +194,18 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         raise ConfigError("--turns later collects on the train split only")
     if args.stage in ("collect", "all"):
         sampling_kind(args.temperature, args.source)  # refused before the target loads
+    from dynaspec.runtime.target import resolve_dtype
+
     target = load_target(args.target)
+    target.to(dtype=resolve_dtype(args.dtype, target.device))
     work = Path(args.work[0])
     started = time.time()
     if args.stage in ("collect", "all"):
         collect(target, work, prompts=args.prompts, shard_size=args.shard_size, batch=args.batch,
                    new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                    worker=args.worker, workers=args.workers, split=args.split, slice_name=args.slice,
-                   source=args.source, turns=args.turns, temperature=args.temperature, seed=args.seed)
+                   source=args.source, turns=args.turns, temperature=args.temperature, seed=args.seed,
+                   feature_layers=args.feature_layers)
     if args.stage in ("train", "all"):
         if not args.out:
             raise ConfigError("--out is required to train")

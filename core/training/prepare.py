@@ -41,19 +41,33 @@ class PrepareBudget:
     sub-billion-parameter target."""
 
     prompts: int = 2048            # train prompts collected
-    source: str = "raw"            # raw: prompt + the conversation's answer (one prefill); generated
+    #: generated: prompt + the target's own greedy continuation (what it drafts against; the better
+    #: drafter, docs/history.md "more raw text alone makes a worse drafter"); raw: prompt + the
+    #: conversation's own answer in one prefill (cheaper, worse)
+    source: str = "generated"
     shard_size: int = 64
-    new_tokens: int = 256          # raw: answer tokens kept; generated: tokens generated
+    new_tokens: int | None = None  # generated: tokens generated (None: 96); raw: answer tokens kept (None: 256)
     steps: int = 1000              # drafter optimiser steps
     batch_positions: int = 2048
     drafter_width: int | None = None  # the drafter's MLP width; None: the target's
-    #: target layers the drafter reads beside the final hidden state (fused features); None: none
-    feature_layers: tuple[int, ...] | None = attrs.field(
-        default=None, converter=lambda v: None if not v else tuple(int(i) for i in v))
+    #: target layers the drafter reads beside the final hidden state (fused features): ``"auto"``
+    #: a low and a middle one (layer L // 8 and L // 2 of L: 2 and 9 for Gemma 3 270M, 3 and 12 for
+    #: Qwen2.5-0.5B; fused layers made Gemma's drafter F better than E); None or (): none
+    feature_layers: tuple[int, ...] | str | None = attrs.field(
+        default="auto", converter=lambda v: v if v == "auto" else (None if not v else tuple(int(i) for i in v)))
     clusters: int | None = None    # None: min(1024, vocabulary / 16)
     kmeans_iterations: int = 25
     router_epochs: int = 3
     router_width: int = 1024
+    #: the target's dtype while preparing; ``auto``: bfloat16 where the CPU computes it natively
+    #: (collection's prefills and generation run 2-3x faster there), else float32
+    dtype: str = "auto"
+
+
+def auto_feature_layers(count: int) -> tuple[int, ...]:
+    """The fused-feature layers ``prepare`` reads by default for a target of ``count`` layers: a
+    low one and a middle one (``count // 8`` and ``count // 2``)."""
+    return tuple(sorted({count // 8, count // 2} & set(range(count))))
 
 
 def _read_manifest(out: Path) -> dict[str, Any]:
@@ -109,6 +123,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
             drafter: str | None = None, redo: tuple[str, ...] = (), only: tuple[str, ...] = (),
             command: str = "", seed: int = 0) -> dict[str, Any]:
     """Run the stages of ``dynaspec prepare`` for ``target_ref`` into ``out``; returns the manifest."""
+    from dynaspec.runtime.target import resolve_dtype
     from dynaspec.runtime.targets import load_target, resolve_artifact
     from dynaspec.training import collect as collect_mod
     from dynaspec.training import distributed
@@ -124,23 +139,29 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         target_ref = str(Path(target_ref).resolve())
     manifest = _read_manifest(out)
     target = load_target(target_ref)
-    fingerprint = target.fingerprint()
+    fingerprint = target.fingerprint()  # of the weights as loaded, before any cast
+    target.to(dtype=resolve_dtype(budget.dtype, target.device))
     if manifest and manifest.get("fingerprint") != fingerprint:
         raise ConfigError(f"{out} was prepared for target {manifest.get('target')!r}, not {target_ref!r}: "
                           "use another --out")
     if budget.clusters is None:
         budget = attrs.evolve(budget, clusters=min(1024, max(2, target.vocab_size // 16)))
+    if budget.new_tokens is None:
+        budget = attrs.evolve(budget, new_tokens=96 if budget.source == "generated" else 256)
+    if budget.feature_layers == "auto":
+        budget = attrs.evolve(budget, feature_layers=auto_feature_layers(len(target.decoder.layers)))
     if budget.clusters > target.vocab_size:
         raise ConfigError(f"--clusters {budget.clusters} exceeds the target's vocabulary ({target.vocab_size})")
     out.mkdir(parents=True, exist_ok=True)  # only once every check has passed
     manifest = manifest or {"format": FORMAT, "target": target_ref, "fingerprint": fingerprint, "stages": {}}
-    manifest["budget"] = attrs.asdict(budget)  # the budget of the latest run
+    manifest["budget"] = json.loads(json.dumps(attrs.asdict(budget)))  # the latest run's, as JSON keeps it
     work = out / "work"
     drafter_dir = Path(resolve_artifact(drafter)) if drafter else out / "drafter"
 
     def collect() -> dict[str, Any]:
         collect_mod.collect(target, work, prompts=budget.prompts, shard_size=budget.shard_size,
-                            new_tokens=budget.new_tokens, source=budget.source)
+                            new_tokens=budget.new_tokens, source=budget.source,
+                            feature_layers=budget.feature_layers)
         described = describe_shards(shard_paths(work))
         # the stage's "seconds" are this run's; a collection resumed over several runs is timed by
         # its shards ("collect_seconds" over "timed_shards" of them)
