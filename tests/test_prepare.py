@@ -136,3 +136,17 @@ def test_readme_use_your_own_model_commands(tmp_path):
     manifest = json.loads((tmp_path / "my-model" / "prepare.json").read_text())
     assert manifest["target"] == str((tmp_path / "model").resolve())
     assert sorted(manifest["stages"]) == sorted(STAGES)
+
+
+def test_prepare_defaults_to_the_targets_own_continuations_and_fused_layers():
+    """A first run gets the recipe that made the shipped drafters good: generated continuations
+    (96 tokens), fused features from a low and a middle layer, bfloat16 where native."""
+    from dynaspec.training.prepare import auto_feature_layers
+
+    budget = PrepareBudget()
+    assert budget.source == "generated" and budget.new_tokens is None and budget.feature_layers == "auto"
+    assert budget.dtype == "auto"
+    assert auto_feature_layers(18) == (2, 9) and auto_feature_layers(24) == (3, 12)  # Gemma 3 270M, Qwen2.5-0.5B
+    assert auto_feature_layers(2) == (0, 1) and auto_feature_layers(1) == (0,)
+    assert PrepareBudget(feature_layers=()).feature_layers is None
+    assert PrepareBudget(feature_layers=[3, 12]).feature_layers == (3, 12)
