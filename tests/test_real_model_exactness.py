@@ -24,7 +24,7 @@ def default_engine():
     from dynaspec.runtime.engine import Engine
 
     torch.set_num_threads(1)
-    return Engine.from_stack("default", overrides={"weights": "dtype"})
+    return Engine.from_stack("gemma", overrides={"weights": "dtype"})
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def auto_engines():
     from dynaspec.runtime.engine import Engine
 
     torch.set_num_threads(1)
-    return Engine.from_stacks(["baseline", "default"])
+    return Engine.from_stacks(["baseline", "gemma"])
 
 
 def _hf_greedy(target, ids, n):

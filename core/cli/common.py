@@ -157,7 +157,7 @@ def command(sub, func, name: str, *, threads: bool = True, placement: bool = Fal
     parser = sub.add_parser(name, **kwargs)
     parser.set_defaults(func=func)
     if target:
-        parser.add_argument("--target", default="gemma3-270m")
+        parser.add_argument("--target", default="qwen2.5-coder-0.5b")
     if placement:
         add_placement(parser)
     if threads:

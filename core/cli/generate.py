@@ -22,10 +22,16 @@ def register(sub) -> None:
                      help="the prompt text ('-' reads standard input; or use --prompt-file)")
     gen.add_argument("--prompt-file", metavar="PATH", default=None,
                      help="read the prompt from this UTF-8 file (long prompts exceed the shell's limit)")
-    gen.add_argument("--raw", action="store_true",
-                     help="pass the prompt to the target as it is; by default it is wrapped in the "
-                     "target's prompt format (for the embedded Gemma, a base model: 'User: ...\nAssistant:', "
-                     "the format the drafter was trained on, and the answer ends at the next 'User:')")
+    fmt = gen.add_mutually_exclusive_group()
+    fmt.add_argument("--chat", action="store_true",
+                     help="wrap the prompt in the target's prompt format as one user message; the default for "
+                     "an instruction-tuned target (the embedded Qwen2.5-Coder: its chat template, and the answer "
+                     "ends at its end-of-turn token). For a base model such as gemma3-270m the wrapper is "
+                     "'User: ...\nAssistant:' (the format its drafter was trained on) and the answer ends "
+                     "where it would invent the next 'User:' turn")
+    fmt.add_argument("--raw", action="store_true",
+                     help="pass the prompt to the target as it is, to be continued; the default for a base "
+                     "model (gemma3-270m, which completes text rather than answering)")
     gen.add_argument("--stack", default="default", help="stack name or TOML file (default: %(default)s)")
     gen.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
                      help="tokens to generate, >= 1 (default: the stack's decode.max_new_tokens, 128 "
@@ -72,6 +78,13 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return prompt
 
 
+def wraps_prompt(args: argparse.Namespace, target) -> bool:
+    """Whether the prompt goes to ``target`` wrapped in its prompt format as one user message:
+    asked for with --chat, refused with --raw, else for instruction-tuned targets only (a base
+    model continues the text it is given)."""
+    return args.chat or (not args.raw and not target.base_model)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Generate a continuation with speculative decoding. Prints the text, then one statistics
     line on stderr (or one JSON object with --json)."""
@@ -103,7 +116,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # the stack as run: its name, and the fields --set changed
     label = stack.name + (f" with {', '.join(args.set)}" if args.set else "")
     stop = list(args.stop)
-    if not args.raw:
+    if wraps_prompt(args, engine.target):
         prompt = engine.target.format_prompt(prompt)
         # a base model's answer ends where it would start inventing the user's next turn
         stop += [s for s in engine.target.turn_stops if s not in stop]

@@ -37,6 +37,12 @@ def cmd_plugins(args: argparse.Namespace) -> int:
               for k in headers}
     for row in [{**headers, "components": "COMPONENTS"}, *rows]:
         print("  ".join(f"{str(row[k]):<{widths[k]}}" for k in headers) + "  " + row["components"])
+    targets = registry.names("target")
+    if targets:  # which model each target is, and where its weights come from
+        print("\nTARGETS")
+        width = max(map(len, targets)) + 2
+        for name in targets:
+            print(f"{name:<{width}}{registry.get('target', name).description}")
     return 0
 
 

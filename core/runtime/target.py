@@ -352,6 +352,15 @@ class TargetModel:
         return dict(self._fingerprint)
 
     @property
+    def base_model(self) -> bool:
+        """Whether this target is a base model (no chat template: its prompt format is the plain
+        ``User: ...\nAssistant:`` wrapper), which completes text rather than answering;
+        ``dynaspec generate`` then passes prompts as they are unless asked for ``--chat``."""
+        from dynaspec.runtime.prompt import BASE_MODEL_FORMAT
+
+        return self.prompt_format == BASE_MODEL_FORMAT
+
+    @property
     def turn_stops(self) -> tuple[str, ...]:
         """Texts that end the answer to a prompt in this target's format: for the plain
         ``User: ...\nAssistant:`` format of a base model, the next ``User:`` turn it would invent;
