@@ -76,9 +76,12 @@ def _split_linear(weight: torch.Tensor, bias: torch.Tensor | None, parts: int):
     if k % parts:
         return None
     step = k // parts
-    blocks = [weight[:, i * step:(i + 1) * step].contiguous() for i in range(parts)]
+    blocks: list[torch.Tensor] = []  # cut at the first call: a target computing through its lean
+    # forward (or int8 weights) never calls its modules' products, and never pays for the copies
 
     def forward(x: torch.Tensor) -> torch.Tensor:
+        if not blocks:
+            blocks.extend(weight[:, i * step:(i + 1) * step].contiguous() for i in range(parts))
         out = F.linear(x[..., :step], blocks[0]).float()
         for i in range(1, parts):
             out += F.linear(x[..., i * step:(i + 1) * step], blocks[i])
