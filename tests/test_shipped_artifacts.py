@@ -29,7 +29,8 @@ def test_shortlisting_artifacts_are_shipped_and_small(name):
     names = ["clusters.safetensors", "router.safetensors", "frequency.safetensors"]
     sizes = {n: (folder / n).stat().st_size for n in names}
     assert sum(sizes.values()) < 20 * 2**20, sizes
-    assert (folder / "drafter.safetensors").stat().st_size < 20 * 2**20  # bfloat16
+    # bfloat16, one decoder layer; a drafter with fused features adds its fuse matrix (Qwen: 4.8 MB)
+    assert (folder / "drafter.safetensors").stat().st_size < 24 * 2**20
 
 
 @pytest.mark.parametrize("name", SHIPPED)
