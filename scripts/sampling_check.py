@@ -23,7 +23,6 @@ deviation. A p-value below 0.001 would mean the distribution is not the target's
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 
@@ -46,17 +45,14 @@ def sequence_probabilities(engine, prompt_ids: list[int], tokens: int, branch: i
         hidden = target.forward(x, torch.arange(len(ids), device=target.device), target.new_cache(len(ids) + 1))
         return sampling_distribution(target.logits(hidden[-1:]), params)[0].cpu()
 
-    out: dict[tuple[int, ...], float] = {}
     frontier = [((), 1.0)]
     for _ in range(tokens):
         grown = []
         for seq, p in frontier:
-            probs = next_probs(prompt_ids + list(seq))
-            top = probs.topk(branch)
+            top = next_probs(prompt_ids + list(seq)).topk(branch)
             grown += [((*seq, int(t)), p * float(q)) for q, t in zip(top.values, top.indices)]
         frontier = grown
-    out.update(frontier)
-    return out
+    return dict(frontier)
 
 
 def main() -> int:
@@ -103,10 +99,9 @@ def main() -> int:
               "temperature": args.temperature, "top_p": args.top_p, "categories": len(observed),
               "chi2": float(test.statistic), "p_value": float(test.pvalue),
               "mean_accepted_length": sum(accepted) / max(len(accepted), 1),
-              "rows": [{"tokens": list(s) if i < len(cats) else "other",
-                        "text": engine.decode(list(s)) if i < len(cats) else "",
-                        "observed": observed[i], "expected": round(expected[i], 2)}
-                       for i, s in itertools.zip_longest(range(len(observed)), cats)],
+              "rows": [{"tokens": list(s) if s else "other", "text": engine.decode(list(s)) if s else "",
+                        "observed": o, "expected": round(e, 2)}
+                       for s, o, e in zip([*cats, None], observed, expected)],
               "largest_deviation": {"category": worst, "observed": observed[worst],
                                     "expected": round(expected[worst], 2)},
               "weights": engine.target.weights}

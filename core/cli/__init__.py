@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: help for options whose meaning is the same wherever they appear
 _COMMON_HELP = {
-    "--target": "target model: a built-in name (qwen2.5-coder-0.5b, the embedded default; gemma3-270m; tiny-llama, tiny-gemma3) or a Hugging Face "
-                "model folder",
+    "--target": "target model: a built-in name (qwen2.5-coder-0.5b, the embedded default; gemma3-270m; "
+                "tiny-llama, tiny-gemma3) or a Hugging Face model folder",
     "--stage": "collect shards, train on them, or both",
     "--shard-size": "prompts per shard file (a shard is the unit of resuming)",
     "--max-prompt-tokens": "prompts are cut to this many tokens",

@@ -365,9 +365,7 @@ class TargetModel:
         """Texts that end the answer to a prompt in this target's format: for the plain
         ``User: ...\nAssistant:`` format of a base model, the next ``User:`` turn it would invent;
         a chat template ends its turns with a token of its own (an EOS id), so none."""
-        from dynaspec.runtime.prompt import BASE_MODEL_FORMAT
-
-        return ("\nUser:",) if self.prompt_format == BASE_MODEL_FORMAT else ()
+        return ("\nUser:",) if self.base_model else ()
 
     def format_prompt(self, user_text: str) -> str:
         """The prompt the target sees for one user message, in its own ``prompt_format``; every

@@ -190,12 +190,9 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    from dynaspec.training.drafter import write_layer_inputs
+    from dynaspec.training.drafter import lower_layers, write_layer_inputs
 
-    lower = tuple(sorted({int(i) for i in feature_layers or ()}))
-    count = len(target.decoder.layers)
-    if any(not 0 <= i < count for i in lower):
-        raise ConfigError(f"feature layers {list(lower)} must lie in 0..{count - 1}: the target has {count} layers")
+    lower = lower_layers(target, feature_layers)
     rank, world = distributed.join()
     if world > 1 and workers == 1:
         worker, workers = rank, world
@@ -232,14 +229,13 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
         if not items:
             paths.pop()
             break  # the split (or slice) has fewer prompts than asked for
-        if lower:  # the fused features' layer inputs come with the same pass, not a second one later
-            pairs = [target.forward(torch.tensor(s), torch.arange(len(s)), target.new_cache(), layers=lower)
-                     for s in seqs]
-            feats = [hidden for hidden, _ in pairs]
-            write_layer_inputs(target, path, lower, [inputs for _, inputs in pairs])
-            del pairs
-        else:
-            feats = [target.forward(torch.tensor(s), torch.arange(len(s)), target.new_cache()) for s in seqs]
+        # the fused features' layer inputs come with the same pass, not a second one later
+        outs = [target.forward(torch.tensor(s), torch.arange(len(s)), target.new_cache(), layers=lower or None)
+                for s in seqs]
+        if lower:
+            write_layer_inputs(target, path, lower, [inputs for _, inputs in outs])
+            outs = [hidden for hidden, _ in outs]
+        feats = outs
         extra = {}
         if source == "raw" or temperature > 0:
             extra["teacher"] = torch.cat([_teacher(target, f) for f in feats]).to(torch.int32)

@@ -161,6 +161,16 @@ def _layer_inputs(target: TargetModel, paths: list[Path], layers: tuple[int, ...
         write_layer_inputs(target, path, layers, parts)
 
 
+def lower_layers(target: TargetModel, feature_layers: Sequence[int] | None) -> tuple[int, ...]:
+    """The target layers below the final state whose inputs a fused drafter reads, sorted;
+    refuses layers the target does not have."""
+    lower = tuple(sorted({int(i) for i in feature_layers or ()}))
+    count = len(target.decoder.layers)
+    if any(not 0 <= i < count for i in lower):
+        raise ConfigError(f"feature layers {list(lower)} must lie in 0..{count - 1}: the target has {count} layers")
+    return lower
+
+
 def write_layer_inputs(target: TargetModel, shard: Path, layers: tuple[int, ...], parts: list[torch.Tensor]) -> None:
     """Write the inputs of target ``layers`` for ``shard`` (one [T, len(layers) * d] tensor per
     sequence), atomically, where :func:`~dynaspec.training.shards.load_shard` finds them."""
@@ -238,10 +248,8 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
     ckpt.mkdir(parents=True, exist_ok=True)
     rank, world = distributed.join()
     torch.manual_seed(seed)
-    lower = tuple(sorted(set(int(i) for i in feature_layers or ())))
+    lower = lower_layers(target, feature_layers)
     count = len(target.decoder.layers)
-    if any(not 0 <= i < count for i in lower):
-        raise ValueError(f"feature layers {list(lower)} must lie in 0..{count - 1}: the target has {count} layers")
     if init is not None:
         config = init.cfg
         kept = tuple(config.feature_layers[:-1]) if config.feature_layers else ()

@@ -139,8 +139,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         target_ref = str(Path(target_ref).resolve())
     manifest = _read_manifest(out)
     target = load_target(target_ref)
-    fingerprint = target.fingerprint()  # of the weights as loaded, before any cast
-    target.to(dtype=resolve_dtype(budget.dtype, target.device))
+    fingerprint = target.fingerprint()  # of the weights as loaded, before the cast below
     if manifest and manifest.get("fingerprint") != fingerprint:
         raise ConfigError(f"{out} was prepared for target {manifest.get('target')!r}, not {target_ref!r}: "
                           "use another --out")
@@ -153,6 +152,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
     if budget.clusters > target.vocab_size:
         raise ConfigError(f"--clusters {budget.clusters} exceeds the target's vocabulary ({target.vocab_size})")
     out.mkdir(parents=True, exist_ok=True)  # only once every check has passed
+    target.to(dtype=resolve_dtype(budget.dtype, target.device))
     manifest = manifest or {"format": FORMAT, "target": target_ref, "fingerprint": fingerprint, "stages": {}}
     manifest["budget"] = json.loads(json.dumps(attrs.asdict(budget)))  # the latest run's, as JSON keeps it
     work = out / "work"
