@@ -254,3 +254,44 @@ def test_training_can_start_from_a_drafter_and_keeps_its_record(tmp_path, fake_p
     assert training["init"]["training"]["feature_layers"] == list(first.cfg.feature_layers)
     assert main([*args, "--out", str(tmp_path / "x"), "--init", "nowhere"]) == 2  # no such drafter
     assert not (tmp_path / "x").exists()
+
+
+def test_the_loss_reads_the_answer_positions_only_by_default(tmp_path, fake_prompts):
+    from dynaspec.errors import ConfigError
+    from dynaspec.training.shards import shard_paths
+
+    target = tiny_target("llama")
+    work = tmp_path / "w"
+    dc.collect(target, work, prompts=4, shard_size=4, batch=4, new_tokens=6)
+    shard = dt.load_shard(shard_paths(work)[0])
+    offs, plens = shard["offsets"].tolist(), shard["prompt_lens"].tolist()
+    answer, every = dt.loss_mask(shard, "answer"), dt.loss_mask(shard, "all")
+    for a, b, plen in zip(offs[:-1], offs[1:], plens):
+        # the prediction of feature j drafts token j + 1: the answer's are those from the prompt's last
+        assert answer[a:b].tolist() == [False] * (plen - 1) + [True] * (b - a - plen + 1)
+        assert every[a:b].tolist() == [False] + [True] * (b - a - 1)  # every target of the old loss
+    # windows wholly inside a prompt are dropped, and none crosses a sequence
+    wins = dt._windows(shard, 2, answer)
+    assert wins and all(bool(answer[s + 1:e].any()) for s, e in wins)
+    assert len(wins) < len(dt._windows(shard, 2)) == len(dt._windows(shard, 2, every))
+
+    # the loss's gradient reaches the drafter's last-step predictions (which feed nothing else) at
+    # the answer's positions only
+    class Recording(dt._Unrolled):
+        def forward(self, *args):
+            self.preds = super().forward(*args)
+            for pred in self.preds:
+                pred.retain_grad()
+            return self.preds
+
+    model = Recording(Drafter(dt.DrafterConfig.like_target(target.model)).float(), 2)
+    batch = dt._windows(shard, 64)
+    assert len(batch) == len(offs) - 1  # one window per sequence, starting at its first token
+    loss, _ = dt._step_loss(model, target.lm_head_weight.detach(), torch.arange(16), shard, batch,
+                            target.embed, 0.0, torch.Generator(), mask=answer)
+    loss.backward()
+    for row, (a, b) in enumerate(batch):
+        reads = model.preds[-1].grad[row, : b - a - 1].abs().sum(-1) > 0  # row t predicts feature a + 1 + t
+        assert reads.tolist() == answer[a + 1:b].tolist()
+    with pytest.raises(ConfigError, match="loss_on"):
+        dt.train(target, work, tmp_path / "x", steps=1, loss_on="prompt")

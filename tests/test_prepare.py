@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 
 from conftest import trained_drafter
@@ -150,3 +151,66 @@ def test_prepare_defaults_to_the_targets_own_continuations_and_fused_layers():
     assert auto_feature_layers(2) == (0, 1) and auto_feature_layers(1) == (0,)
     assert PrepareBudget(feature_layers=()).feature_layers is None
     assert PrepareBudget(feature_layers=[3, 12]).feature_layers == (3, 12)
+
+
+def test_init_continues_the_prepared_drafter_on_the_answers(prepared, tmp_path):
+    out, _ = prepared
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    first = json.loads((out / "drafter" / "drafter.json").read_text())["training"]
+    budget = attrs.evolve(BUDGET, steps=40, loss_on="answer")
+    # --redo drafter clears ./drafter: the drafter it starts from was loaded before that
+    manifest = prepare("tiny-llama", again, budget=budget, redo=("drafter",), only=("drafter",),
+                       init=str(again / "drafter"), command="init")
+    assert manifest["stages"]["drafter"]["command"] == "init"
+    training = json.loads((again / "drafter" / "drafter.json").read_text())["training"]
+    assert training["loss_on"] == "answer"
+    assert training["init"]["training"]["steps"] == first["steps"]  # the record it started from
+    assert training["steps"] == 40  # a schedule of its own, not the first run's checkpoint resumed
+    spec, plain = _plain_and_spec(again / "stack.toml")
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.mean_accepted_length > 1.2  # still a drafter that drafts
+    # a drafter with no training record to continue is refused, before anything is cleared
+    trained_drafter("llama").save(tmp_path / "untracked")
+    with pytest.raises(ConfigError, match="no training record"):
+        prepare("tiny-llama", again, budget=budget, redo=("drafter",), only=("drafter",),
+                init=str(tmp_path / "untracked"))
+    assert (again / "drafter" / "drafter.json").exists()
+    with pytest.raises(ValueError, match="answer"):
+        attrs.evolve(BUDGET, loss_on="prompt")
+    cli = [sys.executable, "-m", "dynaspec", "prepare", "--target", "tiny-llama", "--out", str(tmp_path / "z"),
+           "--init", "x", "--drafter", "y"]
+    done = subprocess.run(cli, capture_output=True, text=True)
+    assert done.returncode != 0 and "give one of them" in done.stderr
+
+
+def test_an_interrupted_redo_resumes_from_its_checkpoint(prepared, tmp_path, monkeypatch):
+    out, _ = prepared
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    import dynaspec.training.drafter as drafter_mod
+
+    real_save, real_load = drafter_mod._save_checkpoint, drafter_mod._load_checkpoint
+
+    def save_then_stop(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    loaded = []
+
+    def load(*args, **kwargs):
+        state = real_load(*args, **kwargs)
+        loaded.append(state and state["step"])
+        return state
+
+    monkeypatch.setattr(drafter_mod, "_save_checkpoint", save_then_stop)
+    monkeypatch.setattr(drafter_mod, "_load_checkpoint", load)
+    with pytest.raises(KeyboardInterrupt):
+        prepare("tiny-llama", again, budget=BUDGET, redo=("drafter",), only=("drafter",))
+    assert "drafter" not in json.loads((again / prep.MANIFEST).read_text())["stages"]
+    monkeypatch.setattr(drafter_mod, "_save_checkpoint", real_save)
+    manifest = prepare("tiny-llama", again, budget=BUDGET, redo=("drafter",), only=("drafter",), command="resumed")
+    # the first run started afresh; the same command resumed at the checkpoint it stopped after
+    assert loaded[0] is None and len(loaded) == 2 and loaded[1] > 0
+    assert manifest["stages"]["drafter"]["command"] == "resumed"
+    assert (again / "drafter" / "drafter.json").exists()

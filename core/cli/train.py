@@ -66,6 +66,12 @@ def register(sub) -> None:
                     help="EAGLE-3-style fused features: target layers whose inputs the drafter reads "
                     "beside the final hidden state; 'auto' (the default): a low and a middle one, layers "
                     "L//8 and L//2 of L; 'none': the final hidden state alone")
+    pr.add_argument("--init", metavar="DRAFTER", default=None,
+                    help="start the drafter stage from this drafter (a built-in name or a folder) instead of "
+                    "random weights: more training on more data; its width and feature layers are kept")
+    pr.add_argument("--loss-on", choices=["answer", "all"], default="answer",
+                    help="answer: the drafter learns at the positions whose next token is the target's own "
+                    "continuation (what it drafts; the prompt is context); all: at the prompts' too")
     pr.add_argument("--clusters", type=positive_int, default=None, metavar="M",
                     help="vocabulary clusters (default: the vocabulary / 16, at most 1024)")
     pr.add_argument("--router-epochs", type=positive_int, default=3, help="passes over the router's examples")
@@ -130,6 +136,10 @@ def register(sub) -> None:
                     help="start from this drafter's weights (a folder, or a built-in name such as "
                     "gemma3-270m) instead of random ones: more training on more data; its architecture "
                     "is kept, and its own training record is kept in the new drafter's")
+    tr.add_argument("--loss-on", choices=["answer", "all"], default="answer",
+                    help="answer: learn at the positions whose next token is the target's own continuation "
+                    "(what it drafts at inference; the prompt is context); all: at the prompts' positions "
+                    "too (default: answer)")
 
     bf = command(sub, cmd_build_frequency, "build-frequency", target=True,
         help="count token frequencies for the static `frequency` shortlister")
@@ -190,9 +200,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                            drafter_width=args.drafter_width, feature_layers=_feature_layers(args.feature_layers),
                            clusters=args.clusters,
                            router_epochs=args.router_epochs,
-                           router_width=args.router_width, dtype=args.dtype)
+                           router_width=args.router_width, dtype=args.dtype, loss_on=args.loss_on)
+    if args.init and args.drafter:
+        raise ConfigError("--init starts a drafter's training and --drafter uses one untrained: give one of them")
     manifest = prepare(args.target, Path(args.out), budget=budget, drafter=args.drafter, redo=tuple(args.redo),
-                       only=tuple(args.stage), command=command_line())
+                       only=tuple(args.stage), command=command_line(), init=args.init)
     for name, stage in manifest["stages"].items():
         print(f"{name:<10} {stage['seconds']:>8.1f} s  {', '.join(stage['outputs'])}", file=sys.stderr)
     print(f"use it: dynaspec generate --stack {Path(args.out) / 'stack.toml'} \"...\"", file=sys.stderr)
@@ -240,7 +252,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         dt.train(target, [Path(w) for w in args.work], Path(args.out), epochs=args.epochs, steps=args.steps, lr=args.lr,
                  window=args.window, batch_positions=args.batch_positions, unroll=args.unroll,
                  max_shards=args.max_shards, provenance=provenance, intermediate_size=args.drafter_width,
-                 feature_layers=args.feature_layers, init=init)
+                 feature_layers=args.feature_layers, init=init, loss_on=args.loss_on)
     print(f"done in {time.time() - started:.0f} s", file=sys.stderr)
     return 0
 

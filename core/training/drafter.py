@@ -41,18 +41,36 @@ from dynaspec.training.shards import (
 )
 
 
-def _windows(shard: dict[str, torch.Tensor], window: int) -> list[tuple[int, int]]:
-    """(start, end) ranges of at most ``window + 1`` tokens, inside one sequence each."""
+def loss_mask(shard: dict[str, torch.Tensor], on: str = "answer") -> torch.Tensor:
+    """Which features of ``shard`` the loss reads as targets. The drafter's prediction of feature
+    ``j`` drafts token ``j + 1``: with ``on="answer"``, the features whose next token is the target's
+    own continuation (what the drafter meets at inference: it drafts answers, never prompts); with
+    ``on="all"``, every feature after the first of a sequence. The prompt positions stay in every
+    window as context either way."""
+    mask = torch.zeros(len(shard["tokens"]), dtype=torch.bool)
+    offs = shard["offsets"].tolist()
+    lens = shard["prompt_lens"].tolist() if on == "answer" and "prompt_lens" in shard else [2] * (len(offs) - 1)
+    for a, b, plen in zip(offs[:-1], offs[1:], lens):
+        mask[a + max(int(plen) - 1, 1):b] = True
+    return mask
+
+
+def _windows(shard: dict[str, torch.Tensor], window: int, mask: torch.Tensor | None = None) -> list[tuple[int, int]]:
+    """(start, end) ranges of at most ``window + 1`` tokens, inside one sequence each; with ``mask``
+    (see :func:`loss_mask`) only those with a position the loss reads."""
     out = []
     offs = shard["offsets"].tolist()
     for a, b in zip(offs[:-1], offs[1:]):
         for s in range(a, b - 1, window):
-            out.append((s, min(s + window + 1, b)))
+            e = min(s + window + 1, b)
+            if mask is None or bool(mask[s + 1:e].any()):
+                out.append((s, e))
     return out
 
 
-def _batches(shard, window: int, batch_positions: int, rng: random.Random) -> Iterator[list[tuple[int, int]]]:
-    wins = _windows(shard, window)
+def _batches(shard, window: int, batch_positions: int, rng: random.Random,
+             mask: torch.Tensor | None = None) -> Iterator[list[tuple[int, int]]]:
+    wins = _windows(shard, window, mask)
     rng.shuffle(wins)
     batch, size = [], 0
     for w in wins:
@@ -95,12 +113,13 @@ class _Unrolled(torch.nn.Module):
 
 def _step_loss(model: torch.nn.Module, head: torch.Tensor, frequent: torch.Tensor, shard, batch,
                embed, noise: float, generator: torch.Generator, rank: int = 0,
-               world: int = 1) -> tuple[torch.Tensor, dict[str, float]]:
+               world: int = 1, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one optimiser step over ``batch`` (windows of one shard). Every process builds
     the whole batch (its candidate set, noise and position count), then runs rows ``rank::world``
     only; the loss is this process's share of the batch mean, times ``world`` since
     DistributedDataParallel averages the gradients, so any number of processes computes the
-    gradient of one process over the whole batch."""
+    gradient of one process over the whole batch. ``mask`` (see :func:`loss_mask`): the features
+    the loss reads as targets; None, every one."""
     tokens, feats = shard["tokens"], shard["features"]
     # a drafter with fused features reads the inputs of lower layers beside the final one
     lower = shard.get("layer_inputs")
@@ -119,8 +138,8 @@ def _step_loss(model: torch.nn.Module, head: torch.Tensor, frequent: torch.Tenso
             prev[row, :n, :extra] = lower[a:b - 1]
         prev[row, :n, extra:] = feats[a:b - 1]
         nxt[row, :n] = feats[a + 1:b]
-        valid[row, :n] = True
-    cand = torch.unique(torch.cat([x[valid], frequent]))
+        valid[row, :n] = True if mask is None else mask[a + 1:b]
+    cand = torch.unique(torch.cat([x[valid], frequent]))  # the tokens read where the loss is
     w_c = head.index_select(0, cand).float()  # [C, d]
     inp = prev.float()
     if noise:  # uniform noise at the scale of each layer's features
@@ -219,7 +238,7 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
           frequent: int = 2048, noise: float = 0.1, max_shards: int | None = None, seed: int = 0,
           checkpoint_every: int = 100, provenance: dict[str, Any] | None = None,
           intermediate_size: int | None = None, feature_layers: Sequence[int] | None = None,
-          init: Drafter | None = None) -> Drafter:
+          init: Drafter | None = None, loss_on: str = "answer") -> Drafter:
     """Train a drafter on the collected shards of ``work`` (one folder, or several: say an English
     and code collection and a non-English one); write it to ``out``.
 
@@ -231,6 +250,8 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
     beside the final hidden state, computed once per shard into ``layers-A-B/`` beside it.
     ``init``: start from this drafter's weights instead of random ones (more training on more
     data); its architecture is kept, and a width or feature layers that differ from it are refused.
+    ``loss_on``: ``"answer"`` trains on the positions whose next token is the target's own
+    continuation (the prompts are context only), ``"all"`` on the prompts' positions too.
     """
     from tqdm import tqdm
 
@@ -240,6 +261,8 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
     def shard_list() -> list[Path]:
         return [p for folder in folders for p in shard_paths(folder)[:max_shards]]
 
+    if loss_on not in ("answer", "all"):
+        raise ConfigError(f"loss_on = {loss_on!r}: one of 'answer', 'all'")
     paths = shard_list()
     if not paths:
         raise FileNotFoundError(f"no shards in {', '.join(map(str, folders))}: run the collection first")
@@ -306,19 +329,21 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
         for pos in range(state["shard"], len(state["shards"])):
             shard = load_shard(first / state["shards"][pos], lower)
             rng = random.Random(seed * 1000 + state["epoch"] * 100 + pos)
-            for batch in _batches(shard, window, batch_positions, rng):
+            mask = loss_mask(shard, loss_on)
+            for batch in _batches(shard, window, batch_positions, rng, mask):
                 if steps is not None and done():
                     break
                 for group in opt.param_groups:
                     group["lr"] = lr_at(state["step"])
                 noise_gen = torch.Generator().manual_seed(seed * 1_000_003 + state["step"])
-                loss, stats = _step_loss(model, head, freq, shard, batch, embed, noise, noise_gen, rank, world)
+                loss, stats = _step_loss(model, head, freq, shard, batch, embed, noise, noise_gen, rank, world,
+                                         mask)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
                 opt.step()
                 state["step"] += 1
-                seen_positions += sum(b - a - 1 for a, b in batch)
+                seen_positions += sum(int(mask[a + 1:b].sum()) for a, b in batch)
                 bar.update(1)
                 bar.set_postfix({k: f"{v:.3f}" for k, v in stats.items()}, shards=len(state["shards"]))
                 if state["step"] % checkpoint_every == 0:
@@ -341,7 +366,7 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
                      "steps": state["step"], "epochs_started": state["epoch"] + 1,
                      "feature_layers": list(config.feature_layers or ()) or None,
                      "lr": lr, "window": window, "batch_positions": batch_positions, "unroll": unroll,
-                     "frequent": frequent, "noise": noise, "shards_at_end": len(used),
+                     "frequent": frequent, "noise": noise, "loss_on": loss_on, "shards_at_end": len(used),
                      "positions_at_end": sum(one["positions"] for one in shard_sets), "shard_sets": shard_sets,
                      "train_seconds_this_run": round(time.time() - start, 1),
                      "train_seconds": round(earlier_seconds + time.time() - start, 1),

@@ -62,6 +62,9 @@ class PrepareBudget:
     #: the target's dtype while preparing; ``auto``: bfloat16 where the CPU computes it natively
     #: (collection's prefills and generation run 2-3x faster there), else float32
     dtype: str = "auto"
+    #: where the drafter's loss is read: ``answer``, the positions whose next token is the target's
+    #: own continuation (what it drafts at inference); ``all``, the prompts' positions too
+    loss_on: str = attrs.field(default="answer", validator=attrs.validators.in_(("answer", "all")))
 
 
 def auto_feature_layers(count: int) -> tuple[int, ...]:
@@ -121,8 +124,10 @@ def _stack_toml(target_ref: str, drafter: str, clusters: int, command: str) -> s
 
 def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget(),
             drafter: str | None = None, redo: tuple[str, ...] = (), only: tuple[str, ...] = (),
-            command: str = "", seed: int = 0) -> dict[str, Any]:
-    """Run the stages of ``dynaspec prepare`` for ``target_ref`` into ``out``; returns the manifest."""
+            command: str = "", seed: int = 0, init: str | None = None) -> dict[str, Any]:
+    """Run the stages of ``dynaspec prepare`` for ``target_ref`` into ``out``; returns the manifest.
+    ``init``: a drafter (built-in name or folder) the drafter stage starts from instead of random
+    weights; ``drafter``: one used as it is, with no training."""
     from dynaspec.runtime.target import resolve_dtype
     from dynaspec.runtime.targets import load_target, resolve_artifact
     from dynaspec.training import collect as collect_mod
@@ -174,10 +179,14 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
 
             load_drafter(str(drafter_dir), target)
             return {"outputs": [str(drafter_dir)], "given": True}
+        provenance: dict[str, Any] = {"command": command, "target": target_ref, "work": "work"}
+        if start is not None:
+            provenance["init"] = {"drafter": Path(init).name, "training": start.meta.get("training")}
         drafter_training.train(target, work, drafter_dir, steps=budget.steps,
                                batch_positions=budget.batch_positions, seed=seed,
-                               intermediate_size=budget.drafter_width, feature_layers=budget.feature_layers,
-                               provenance={"command": command, "target": target_ref, "work": "work"})
+                               intermediate_size=None if start else budget.drafter_width,
+                               feature_layers=None if start else budget.feature_layers,
+                               provenance=provenance, init=start, loss_on=budget.loss_on)
         return {"outputs": ["drafter"]}
 
     def frequency() -> dict[str, Any]:
@@ -201,6 +210,14 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         atomic_write(out / "stack.toml", lambda p: Path(p).write_text(text))
         return {"outputs": ["stack.toml"]}
 
+    start = None  # the drafter to start from, loaded before --redo drafter clears ./drafter
+    if init:
+        from dynaspec.runtime.targets import load_drafter
+
+        start = load_drafter(init, target)
+        if "training" not in start.meta:
+            raise ConfigError(f"--init {init}: not a drafter that dynaspec trained (no training record)")
+
     rank, world = distributed.join()
     # under torchrun the collection, the drafter and the router are shared by the processes; the
     # cheap single-process stages and the manifest are rank 0's, the others wait for them
@@ -216,11 +233,16 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
             if rank == 0:
                 print(f"dynaspec prepare: {name}: done earlier ({done}), skipped", file=sys.stderr)
             continue
-        if rank == 0 and name in redo and name in ("frequency", "clusters", "router"):
-            shutil.rmtree(out / name, ignore_errors=True)
-        if rank == 0 and name in redo and name == "drafter" and not drafter:  # afresh, not from the checkpoint
-            shutil.rmtree(work / f"ckpt-{drafter_dir.name}", ignore_errors=True)
-            shutil.rmtree(drafter_dir, ignore_errors=True)
+        if rank == 0 and done and name in redo:
+            # a redo starts afresh once; the stage leaves the manifest, so rerunning the same command
+            # after an interruption resumes the redo (the drafter from its checkpoint) instead
+            if name in ("frequency", "clusters", "router"):
+                shutil.rmtree(out / name, ignore_errors=True)
+            if name == "drafter" and not drafter:
+                shutil.rmtree(work / f"ckpt-{drafter_dir.name}", ignore_errors=True)
+                shutil.rmtree(drafter_dir, ignore_errors=True)
+            del manifest["stages"][name]
+            _write_manifest(out, manifest)
         distributed.barrier(world)
         if rank == 0:
             print(f"dynaspec prepare: {name} ...", file=sys.stderr, flush=True)
