@@ -63,7 +63,7 @@ def stack_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(stack_file):
-    proc, url = _start(stack_file, "--api-key", KEY, "--max-queue", "2")
+    proc, url = _start(stack_file, "--api-key", KEY, "--max-queue", "2", "--max-batch", "4")
     yield url
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
@@ -165,11 +165,14 @@ def test_invalid_json_empty_messages_and_missing_key(server):
 
 
 def test_concurrent_clients_get_their_solo_outputs_and_disconnects_free_the_engine(server, engine):
-    prompts = [f"Request {i}: " + "abc" * (i % 4) for i in range(8)]
-    lengths = [8 + 4 * (i % 3) for i in range(8)]
+    """16 clients at once, mixed lengths, some streaming, two going away mid-stream: up to 4 are
+    generated together (--max-batch 4) and every answer is the engine's answer to it alone."""
+    n = 16
+    prompts = [f"Request {i}: " + "abc" * (i % 4) for i in range(n)]
+    lengths = [8 + 4 * (i % 3) for i in range(n)]
     solo = [engine.generate(p, max_new_tokens=n).text for p, n in zip(prompts, lengths)]
     results, errors = {}, []
-    # a queue of 2 behind the running request: clients retry on 503, as OpenAI clients do
+    # a queue of 2 behind the 4 running requests: clients retry on 503, as OpenAI clients do
     client = openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=20)
 
     def ask(i):
@@ -189,13 +192,13 @@ def test_concurrent_clients_get_their_solo_outputs_and_disconnects_free_the_engi
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append((i, repr(exc)))
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(180)
     assert not errors, errors
-    for i in range(8):
+    for i in range(n):
         if i not in (2, 5):
             assert results[i] == solo[i], i
     health = httpx.get(server + "/health").json()
@@ -207,6 +210,10 @@ def test_concurrent_clients_get_their_solo_outputs_and_disconnects_free_the_engi
     metrics = httpx.get(server + "/metrics").text
     assert 'dynaspec_requests_total{outcome="cancelled",route="/v1/completions"}' in metrics
     assert "dynaspec_accepted_length_bucket" in metrics and 'dynaspec_drafted_tokens_total{position="1"}' in metrics
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+              if line.startswith("dynaspec_batch_size")}
+    # requests really were verified together: not every cycle's pass held one request
+    assert values['dynaspec_batch_size_bucket{le="1.0"}'] < values["dynaspec_batch_size_count"]
 
 
 def test_a_full_queue_answers_503_with_retry_after(server):
@@ -219,12 +226,12 @@ def test_a_full_queue_answers_503_with_retry_after(server):
         codes.append(r.status_code)
         headers.append(r.headers.get("retry-after"))
 
-    threads = [threading.Thread(target=ask) for _ in range(8)]
+    threads = [threading.Thread(target=ask) for _ in range(12)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert codes.count(200) >= 3 and 503 in codes  # one running, two queued, the rest turned away
+    assert codes.count(200) >= 3 and 503 in codes  # four running, two queued, the rest turned away
     assert all(h == "1" for c, h in zip(codes, headers) if c == 503)
 
 
@@ -252,7 +259,7 @@ def test_a_request_that_fails_inside_the_engine_fails_alone(engine):
 
     from dynaspec.serving.api import Server, create_app
 
-    real_stream = engine.stream
+    real_stream = engine.stream_passes
 
     def stream(prompt_ids, **kwargs):
         if engine.decode(prompt_ids).startswith("boom"):
@@ -261,9 +268,9 @@ def test_a_request_that_fails_inside_the_engine_fails_alone(engine):
 
     server = Server(engine, max_queue=2)
     server.engine = type("Wrapped", (), {})()  # the same engine, with a stream that can fail
-    for name in ("stack", "target", "source", "encode", "decode", "exactness"):
+    for name in ("stack", "target", "source", "encode", "decode", "exactness", "strict"):
         setattr(server.engine, name, getattr(engine, name))
-    server.engine.stream = stream
+    server.engine.stream_passes = stream
     server.worker.engine = server.engine
     with TestClient(create_app(server)) as http:
         bad = http.post("/v1/completions", json={"model": "spec", "prompt": "boom", "max_tokens": 4})

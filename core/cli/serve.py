@@ -20,6 +20,9 @@ def register(sub) -> None:
                      help="require 'Authorization: Bearer KEY' on /v1/ routes (default: no key)")
     srv.add_argument("--max-queue", type=positive_int, default=16, metavar="N",
                      help="requests that may wait for the engine; beyond, 503 with Retry-After (default: %(default)s)")
+    srv.add_argument("--max-batch", type=positive_int, default=8, metavar="N",
+                     help="requests generated together, their plain steps and verifications in one pass of "
+                     "the target; more wait in the queue (default: %(default)s; 1: one request at a time)")
     srv.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
                      help="on SIGTERM, how long running requests may finish before they are cancelled "
                      "(default: %(default)s)")
@@ -30,7 +33,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a stack over an OpenAI-compatible HTTP API: POST /v1/completions and
     /v1/chat/completions (streaming with "stream": true), GET /v1/models, /health and /metrics
     (Prometheus). The model loads before the port opens; SIGTERM stops taking requests, lets the
-    running one finish within --grace seconds, and exits 0. Requests are generated one at a time.
+    running ones finish within --grace seconds, and exits 0. Up to --max-batch requests are
+    generated together: each cycle their plain steps and verifications go through the target in
+    one pass, and each request's output is what it gives alone.
     Needs the serve extra: pip install "dynaspec[serve]"."""
     try:
         import uvicorn
@@ -51,7 +56,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = Engine.from_stack(stack, registry=registry)
     if engine.target.tokenizer is None:
         raise InputError(f"target '{engine.target.name}' has no tokenizer: it cannot be served over text")
-    server = Server(engine, api_key=args.api_key, max_queue=args.max_queue, threads=args.threads, grace=args.grace)
+    server = Server(engine, api_key=args.api_key, max_queue=args.max_queue, threads=args.threads, grace=args.grace,
+                    max_batch=args.max_batch)
     config = uvicorn.Config(create_app(server), host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=max(1, int(args.grace)))
     runner = uvicorn.Server(config)

@@ -23,6 +23,7 @@ from dynaspec.runtime.gate import DraftGate, PlainCost
 from dynaspec.runtime.protocols import DecodeParams, ShortlisterCapabilities, capabilities
 from dynaspec.runtime.registry import Registry, default_registry
 from dynaspec.runtime.stats import GenerationStats
+from dynaspec.runtime.target import TargetPass
 from dynaspec.runtime.tree import DraftTree
 from dynaspec.runtime.types import BuildContext
 
@@ -262,7 +263,7 @@ class Engine:
         text = ""
         hit = False
         start = time.perf_counter()
-        for chunk in run(stats):
+        for chunk in self._solo(run(stats)):
             new.extend(chunk)
             if stop:
                 text, hit = _cut_at_stop(self.decode(new), stop)
@@ -280,6 +281,14 @@ class Engine:
     def stream(self, prompt: str | Sequence[int] | torch.Tensor, *, stats: GenerationStats | None = None,
                stop: Sequence[str] = (), **kwargs) -> Iterator[str]:
         """Yield the continuation as text pieces while it is generated (see :meth:`generate`)."""
+        return self._solo(self.stream_passes(prompt, stats=stats, stop=stop, **kwargs))
+
+    def stream_passes(self, prompt: str | Sequence[int] | torch.Tensor, *, stats: GenerationStats | None = None,
+                      stop: Sequence[str] = (), **kwargs) -> Iterator["str | TargetPass"]:
+        """:meth:`stream`, handing each plain step or verification of the target to the caller as a
+        :class:`~dynaspec.runtime.target.TargetPass` to run, alone or with other generations'
+        (:meth:`TargetModel.forward_many`), before taking the next item: text pieces and passes.
+        The prefill runs inside. This is how a server verifies several requests in one pass."""
         _, run = self._start(prompt, kwargs.get("max_new_tokens"), kwargs.get("temperature"),
                              kwargs.get("top_p"), kwargs.get("seed"))
         stats = stats if stats is not None else GenerationStats()
@@ -289,6 +298,9 @@ class Engine:
         hold = max((len(s) for s in stop), default=1) - 1
         start = time.perf_counter()
         for chunk in run(stats):
+            if isinstance(chunk, TargetPass):
+                yield chunk
+                continue
             new.extend(chunk)
             stats.new_tokens = len(new)
             stats.wall_time = time.perf_counter() - start
@@ -315,6 +327,17 @@ class Engine:
         return tok.decode(list(ids), skip_special_tokens=True) if tok is not None else ""
 
     # -- the loops --------------------------------------------------------------------------------
+    def _solo(self, items: Iterator) -> Iterator:
+        """Run the target passes a loop hands over (see :meth:`stream_passes`) at once, one by one;
+        pass everything else through: a generation alone."""
+        for item in items:
+            if isinstance(item, TargetPass):
+                start = time.perf_counter()
+                self.target.forward_many([item], strict=self.strict)
+                item.seconds = time.perf_counter() - start
+            else:
+                yield item
+
     def _start(self, prompt, max_new_tokens, temperature, top_p, seed):
         decode = self.stack.decode
         params = DecodeParams(
@@ -402,9 +425,10 @@ class Engine:
             if done:
                 return
             with stats.verification():
-                with stats.timed("target_body"):
-                    hidden = target.forward(torch.tensor([token], device=device),
-                                            torch.tensor([pos], device=device), cache, strict=self.strict)
+                step = TargetPass(torch.tensor([token], device=device), torch.tensor([pos], device=device), cache)
+                yield step  # the caller runs it (alone, or with other generations' passes)
+                stats.times["target_body"] += step.seconds
+                hidden = step.output()
                 with stats.timed("verify_head"):
                     token = self._first_token(hidden, verifier, params, generator)
             pos += 1
@@ -452,13 +476,15 @@ class Engine:
                 tree = DraftTree.with_root(int(tokens[root_pos]))
             with stats.verification():
                 drafted = len(tree) > 1  # else nothing drafted: the cycle is one plain step
-                with stats.timed("target_body"):
-                    chain = tree.is_chain  # a root alone is one plain step's row
-                    hidden = target.forward(torch.tensor(tree.tokens, device=device),
-                                            root_pos + 1 + torch.tensor(tree.depths, device=device), cache,
-                                            tree_mask=None if chain else tree.attention_mask(device),
-                                            chain=chain and drafted, layers=layers, strict=self.strict)
-                    hidden, fed = hidden if layers else (hidden, hidden)
+                chain = tree.is_chain  # a root alone is one plain step's row
+                step = TargetPass(torch.tensor(tree.tokens, device=device),
+                                  root_pos + 1 + torch.tensor(tree.depths, device=device), cache,
+                                  tree_mask=None if chain else tree.attention_mask(device),
+                                  chain=chain and drafted, layers=layers)
+                yield step  # the caller runs it (alone, or with other generations' passes)
+                stats.times["target_body"] += step.seconds
+                hidden = step.output()
+                hidden, fed = hidden if layers else (hidden, hidden)
                 with stats.timed("verify_head"):
                     if drafted:
                         logits = PathLogits(target, hidden, tree, strict=self.strict)

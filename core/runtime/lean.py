@@ -247,15 +247,38 @@ class LeanDecoder:
         """The normed final hidden states [T, d] of ``ids`` at ``positions`` after ``cache`` (see
         ``TargetModel.forward``), and the inputs of the decoder layers in ``layers``. ``strict``:
         plain steps and verifications on the strict kernels, else the relaxed ones."""
-        past = cache.get_seq_length()
-        h = self.embedding(ids)
-        t = h.shape[0]
+        t = ids.shape[0]
         # a plain step or a verification: rows plain decoding also computes one at a time
         pick = (0 if strict else 1) if t == 1 or chain or tree_mask is not None else 2
+        return self._run(ids, positions, [(cache, t, tree_mask, chain)], layers, pick)
+
+    def forward_many(self, ids: torch.Tensor, positions: torch.Tensor,
+                     parts: Sequence[tuple[LeanCache, int, "torch.Tensor | None", bool]], *,
+                     layers: Sequence[int] = (), strict: bool = True) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Plain steps and verifications of several sequences in one pass: ``ids`` and
+        ``positions`` are their rows one sequence after another, ``parts`` says per sequence its
+        cache, its number of rows, its tree mask and whether its rows are a chain (see
+        :meth:`forward`). Every product runs once over all the rows, on the strict (or relaxed)
+        kernels, whose rows do not depend on how many are computed together; each sequence
+        attends over its own cache exactly as it would alone. So each sequence's rows are the rows
+        :meth:`forward` gives for it alone, bit for bit."""
+        return self._run(ids, positions, parts, layers, 0 if strict else 1)
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor,
+             parts: Sequence[tuple[LeanCache, int, "torch.Tensor | None", bool]], layers: Sequence[int],
+             pick: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        h = self.embedding(ids)
+        t = h.shape[0]
+        if sum(rows for _, rows, _, _ in parts) != t:
+            raise ValueError(f"the parts hold {sum(rows for _, rows, _, _ in parts)} rows, the input {t}")
+        bounds, at = [], 0
+        for cache, rows, _, _ in parts:
+            bounds.append((at, at + rows, cache.get_seq_length()))
+            at += rows
         hd, hq, hkv = self.head_dim, self.heads, self.kv_heads
         rotary = {kind: self._rotary(kind, positions) for kind in set(self._types)}
         captured = {}
-        for index, (layer, kind, window, kv) in enumerate(zip(self.layers, self._types, self.windows, cache.layers)):
+        for index, (layer, kind, window) in enumerate(zip(self.layers, self._types, self.windows)):
             if index in layers:
                 captured[index] = h
             x = self._norm(h, layer.norms[0])
@@ -267,8 +290,12 @@ class LeanDecoder:
                                dim=1)
             cos, sin = rotary[kind]
             qk = self._rotate(qk, cos, sin)
-            keys, values = kv.append(qk[:, hq:].transpose(0, 1)[None], v.transpose(0, 1)[None])
-            attn = layer.o[pick](self._attend(qk[:, :hq], keys, values, window, positions, past, tree_mask, chain))
+            outs = []
+            for (cache, _, tree_mask, chain), (a, b, past) in zip(parts, bounds):
+                keys, values = cache.layers[index].append(qk[a:b, hq:].transpose(0, 1)[None],
+                                                          v[a:b].transpose(0, 1)[None])
+                outs.append(self._attend(qk[a:b, :hq], keys, values, window, positions[a:b], past, tree_mask, chain))
+            attn = layer.o[pick](outs[0] if len(outs) == 1 else torch.cat(outs))
             if self.family == "gemma3":
                 h = h + self._norm(attn, layer.norms[1])
                 x = self._norm(h, layer.norms[2])

@@ -8,6 +8,7 @@ import hashlib
 import inspect
 from typing import Any, Sequence
 
+import attrs
 import torch
 import torch.nn.functional as F
 
@@ -128,6 +129,31 @@ def _new_kv_cache(capacity: int):
     return cache
 
 
+@attrs.define(eq=False)
+class TargetPass:
+    """One sequence's rows for a pass of the target (see :meth:`TargetModel.forward`): a plain
+    step or a verification, handed over by a generation loop so that a driver can run the passes
+    of several sequences together (:meth:`TargetModel.forward_many`); ``seconds``: the time of the
+    pass that computed it (shared with the others in it)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    cache: Any
+    tree_mask: torch.Tensor | None = None
+    chain: bool = False
+    layers: Sequence[int] | None = None
+    result: Any = None
+    seconds: float = 0.0
+    #: what the pass raised (it fails its own sequence alone)
+    error: Exception | None = None
+
+    def output(self) -> Any:
+        """The result, or the pass's exception raised."""
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
 class TargetModel:
     """Wraps an ``AutoModelForCausalLM`` and its tokenizer.
 
@@ -161,6 +187,9 @@ class TargetModel:
         self._fingerprint: dict[str, Any] | None = None
         #: per layer shape, how rows are kept independent of the batch size (None: not probed)
         self.batch_invariance: dict[str, str] | None = None
+        #: the most rows one pass of several sequences computes (:meth:`forward_many`): set by
+        #: :meth:`make_batch_invariant` to the row counts its probe covered; one sequence a pass before
+        self.max_pass_rows = 1
         self._head = None  # the probed (batch-invariant) LM-head product, once probed
         self._relaxed_head = None  # the same, unless it pads (then the stock product)
         self._certify: float | None = None  # see greedy_token
@@ -288,6 +317,10 @@ class TargetModel:
 
                 self._lean = self._build_lean(linear, c_norm=self.weights == "int8")
                 report["attention"] = "row-wise for chains"
+            from dynaspec.runtime import batch_invariance, quantized
+
+            # the most rows one pass of several sequences computes: what the probe of its kernels covered
+            self.max_pass_rows = quantized.PROBE_ROWS if body_kind is not None else max(batch_invariance.PROBE_ROWS)
             self.batch_invariance = report
         return self.batch_invariance
 
@@ -445,6 +478,58 @@ class TargetModel:
         if layers is None:
             return hidden
         return hidden, torch.cat([captured[i][0] if i < count else hidden for i in layers], dim=-1)
+
+    def forward_many(self, passes: Sequence["TargetPass"], *, strict: bool = True) -> None:
+        """Run the plain steps and verifications of several sequences (each its own cache), setting
+        each pass's ``result`` to what :meth:`forward` returns for it alone, bit for bit. The lean
+        forward computes them in one pass over all the rows (see ``LeanDecoder.forward_many``), in
+        groups of at most :attr:`max_pass_rows` rows (the row counts the numerics probe covered);
+        otherwise each runs alone. Every pass must ask for the same ``layers``. A pass that raises
+        sets its ``error`` and leaves the others' results as they would be without it."""
+        if not passes:
+            return
+        layers = passes[0].layers
+        if any(p.layers != layers for p in passes):
+            raise ValueError("the passes of one batch must ask for the same feature layers")
+
+        def alone(p: TargetPass) -> None:
+            try:
+                p.result = self.forward(p.ids, p.positions, p.cache, p.tree_mask, chain=p.chain, layers=layers,
+                                        strict=strict)
+            except Exception as exc:  # noqa: BLE001 - it fails its own sequence, not the others
+                p.error = exc
+
+        if self.forward_kind != "lean" or len(passes) == 1:
+            for p in passes:
+                alone(p)
+            return
+        count = len(self.decoder.layers)
+        groups: list[list[TargetPass]] = [[]]
+        for p in passes:
+            if groups[-1] and sum(len(q.ids) for q in groups[-1]) + len(p.ids) > self.max_pass_rows:
+                groups.append([])
+            groups[-1].append(p)
+        for group in groups:
+            lengths = [p.cache.get_seq_length() for p in group]
+            try:
+                hidden, captured = self._lean_decoder().forward_many(
+                    torch.cat([p.ids for p in group]), torch.cat([p.positions for p in group]),
+                    [(p.cache, len(p.ids), p.tree_mask, p.chain) for p in group], layers=layers or (),
+                    strict=strict)
+            except Exception:  # noqa: BLE001 - find the pass that fails: each again alone
+                for p, length in zip(group, lengths):
+                    for layer in p.cache.layers:
+                        layer.crop(length)
+                for p in group:
+                    alone(p)
+                continue
+            fused = (torch.cat([captured[i] if i < count else hidden for i in layers], dim=-1)
+                     if layers is not None else None)
+            at = 0
+            for p in group:
+                rows = slice(at, at + len(p.ids))
+                p.result = hidden[rows] if layers is None else (hidden[rows], fused[rows])
+                at += len(p.ids)
 
     def logits(self, hidden: torch.Tensor, *, strict: bool = True) -> torch.Tensor:
         """Full-vocabulary logits (float32) for hidden states [R, d], on the probed head (``strict``)

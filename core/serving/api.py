@@ -71,10 +71,10 @@ class Server:
     """The engine, its worker thread, its metrics and the request checks the routes share."""
 
     def __init__(self, engine, *, api_key: str | None = None, max_queue: int = 16, threads: int = 0,
-                 grace: float = 30.0) -> None:
+                 grace: float = 30.0, max_batch: int = 8) -> None:
         self.engine, self.api_key, self.grace = engine, api_key, grace
         self.metrics = Metrics()
-        self.worker = Worker(engine, self.metrics, max_queue=max_queue, threads=threads)
+        self.worker = Worker(engine, self.metrics, max_queue=max_queue, threads=threads, max_batch=max_batch)
         self.model_ids = {engine.stack.name, engine.target.name}
         self.ready = False
         self.stopping = False
@@ -352,7 +352,7 @@ def create_app(server: Server) -> FastAPI:
     async def health():
         status = 200 if server.ready and not server.stopping else 503
         return JSONResponse({"status": "ready" if status == 200 else "stopping", "stack": server.engine.stack.name,
-                             "queued": server.worker.jobs.qsize(), "running": int(server.worker.running is not None)},
+                             "queued": server.worker.jobs.qsize(), "running": len(server.worker.running)},
                             status_code=status)
 
     @app.get("/metrics")

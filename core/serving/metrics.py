@@ -30,7 +30,9 @@ class Metrics:
                                 ["position"], registry=r)
         self.phase_seconds = Counter("dynaspec_phase_seconds", "generation time by phase",
                                      ["phase"], registry=r)
-        self.batch_size = Gauge("dynaspec_batch_size", "requests verified together in the last cycle", registry=r)
+        self.batch_size = Histogram("dynaspec_batch_size", "requests whose plain steps or verifications ran in one "
+                                    "pass of the target, per cycle", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
+                                    registry=r)
         self.tokens_per_second = Gauge("dynaspec_tokens_per_second", "tokens/s of the last finished request",
                                        registry=r)
 

@@ -1,13 +1,18 @@
-"""The engine's thread: requests wait in a bounded queue and are generated one at a time.
+"""The engine's thread: requests wait in a bounded queue and are generated together, verified
+in shared passes of the target (continuous batching).
 
 The HTTP side (an asyncio event loop) puts a :class:`Job` in the queue and reads its events: text
 pieces as they are generated, then the end (finish reason and statistics) or an error. The engine
 runs on one worker thread, so the loop keeps answering (health, metrics, new requests) while it
-generates. A job whose client went away is cancelled: the worker stops it at the next cycle. An
-exception inside the engine fails that job alone.
+generates.
 
-Requests are generated one after another; verifying several requests' drafts in one pass of the
-target (continuous batching) is not built yet.
+Each cycle, every active request drafts on its own (its own caches, drafter state, shortlists and
+random generator) up to its next plain step or verification, and all those passes go through the
+target together (:meth:`TargetModel.forward_many`: the products once over all the rows, each
+request attending over its own cache). The target's kernels compute every row as they would alone,
+so each request's output is what it gives alone. New requests join between cycles (their prefill
+runs when they join) and finished ones leave. A job whose client went away is cancelled: it leaves
+at the next cycle. An exception inside the engine fails that job alone.
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ import asyncio
 import queue
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import attrs
 
 from dynaspec.runtime.stats import GenerationStats
+from dynaspec.runtime.target import TargetPass
 
 
 class QueueFull(Exception):
@@ -51,13 +57,25 @@ class Job:
         self.cancelled.set()
 
 
+@attrs.define(eq=False)
+class _Active:
+    """A job being generated: its generation's items (text pieces and target passes) and its start."""
+
+    job: Job
+    items: Iterator
+    started: float = attrs.field(factory=time.perf_counter)
+
+
 class Worker:
     """The thread that owns the engine."""
 
-    def __init__(self, engine, metrics, *, max_queue: int, threads: int = 0) -> None:
-        self.engine, self.metrics, self.threads = engine, metrics, threads
+    def __init__(self, engine, metrics, *, max_queue: int, threads: int = 0, max_batch: int = 8) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.engine, self.metrics, self.threads, self.max_batch = engine, metrics, threads, max_batch
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
-        self.running: Job | None = None
+        #: the jobs being generated now
+        self.running: list[Job] = []
         self._thread = threading.Thread(target=self._run, name="dynaspec-engine", daemon=True)
 
     def start(self) -> None:
@@ -71,7 +89,7 @@ class Worker:
         self.metrics.queued.set(self.jobs.qsize())
 
     def stop(self, grace: float) -> None:
-        """Take no more jobs; let the running one finish for ``grace`` seconds, then cancel it, and
+        """Take no more jobs; let the running ones finish for ``grace`` seconds, then cancel them, and
         cancel every job still waiting."""
         while True:
             try:
@@ -83,8 +101,8 @@ class Worker:
                 job.emit("error", "the server is shutting down")
         self.jobs.put(None)
         self._thread.join(grace)
-        if self.running is not None:
-            self.running.cancel()
+        for job in list(self.running):
+            job.cancel()
         self._thread.join(5.0)
 
     def _run(self) -> None:
@@ -92,34 +110,72 @@ class Worker:
             import torch
 
             torch.set_num_threads(self.threads)
+        active: list[_Active] = []
+        closing = False
         while True:
-            job = self.jobs.get()
-            self.metrics.queued.set(self.jobs.qsize())
-            if job is None:
-                return
-            if job.cancelled.is_set():
+            while not closing and len(active) < self.max_batch:  # new jobs join between cycles
+                try:
+                    job = self.jobs.get(block=not active)
+                except queue.Empty:
+                    break
+                self.metrics.queued.set(self.jobs.qsize())
+                if job is None:
+                    closing = True
+                elif not job.cancelled.is_set():
+                    active.append(self._begin(job))
+            if not active:
+                if closing:
+                    return
                 continue
-            self.running = job
-            self.metrics.running.set(1)
-            self.metrics.batch_size.set(1)
-            try:
-                self._generate(job)
-            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the server
-                job.emit("error", f"{type(exc).__name__}: {exc}")
-            finally:
-                self.running = None
+            self.running = [a.job for a in active]
+            self.metrics.running.set(len(active))
+            passes = []
+            for entry in list(active):
+                step = self._advance(entry)
+                if step is None:
+                    active.remove(entry)
+                else:
+                    passes.append(step)
+            if passes:
+                self.metrics.batch_size.observe(len(passes))
+                started = time.perf_counter()
+                try:
+                    self.engine.target.forward_many(passes, strict=self.engine.strict)
+                except Exception as exc:  # noqa: BLE001 - it reaches the requests, not the server
+                    for step in passes:
+                        step.error = step.error or exc
+                seconds = time.perf_counter() - started
+                for step in passes:
+                    step.seconds = seconds
+            if not active:
+                self.running = []
                 self.metrics.running.set(0)
-                self.metrics.record(job.stats, len(job.prompt_ids))
 
-    def _generate(self, job: Job) -> None:
-        stats, start = job.stats, time.perf_counter()
-        pieces = self.engine.stream(job.prompt_ids, stats=stats, stop=job.stop, max_new_tokens=job.max_tokens,
-                                    temperature=job.temperature, top_p=job.top_p, seed=job.seed)
-        for piece in pieces:
+    def _begin(self, job: Job) -> _Active:
+        items = self.engine.stream_passes(job.prompt_ids, stats=job.stats, stop=job.stop,
+                                          max_new_tokens=job.max_tokens, temperature=job.temperature,
+                                          top_p=job.top_p, seed=job.seed)
+        return _Active(job, items)
+
+    def _advance(self, entry: _Active):
+        """Run ``entry``'s generation to its next target pass (None: it has left: finished, failed
+        or cancelled), handing its text to its client."""
+        job, stats = entry.job, entry.job.stats
+        try:
             if job.cancelled.is_set():
-                pieces.close()
-                stats.wall_time = time.perf_counter() - start
-                return
-            job.emit("text", piece)
-        stats.wall_time = time.perf_counter() - start
+                entry.items.close()
+                stats.wall_time = time.perf_counter() - entry.started
+                self.metrics.record(stats, len(job.prompt_ids))
+                return None
+            for item in entry.items:
+                if isinstance(item, TargetPass):
+                    return item
+                job.emit("text", item)
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the server
+            job.emit("error", f"{type(exc).__name__}: {exc}")
+            self.metrics.record(stats, len(job.prompt_ids))
+            return None
+        stats.wall_time = time.perf_counter() - entry.started
         job.emit("done", stats)
+        self.metrics.record(stats, len(job.prompt_ids))
+        return None
