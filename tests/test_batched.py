@@ -37,7 +37,8 @@ def test_each_sequences_rows_in_a_shared_pass_are_its_rows_alone(kind):
             n = len(shape["ids"])
             depths = torch.tensor([0, 1, 1]) if shape["mask"] is not None else torch.arange(n)
             out.append(TargetPass(torch.tensor(shape["ids"]), len(prompt) + depths, _filled(tgt, prompt),
-                                  tree_mask=shape["mask"], chain=shape["chain"], layers=layers))
+                                  tree_mask=shape["mask"], chain=shape["chain"], layers=layers,
+                                  head=[0, 1] if shape["mask"] is not None else list(range(n))))
         return out
 
     alone = passes()
@@ -48,6 +49,8 @@ def test_each_sequences_rows_in_a_shared_pass_are_its_rows_alone(kind):
     for a, b in zip(alone, together):
         assert torch.equal(a.result[0], b.result[0]) and torch.equal(a.result[1], b.result[1])
         assert a.cache.get_seq_length() == b.cache.get_seq_length()
+        # the head rows, from products shared by the three, are each one's own head product
+        assert a.logits is None and torch.equal(b.logits, tgt.logits(a.result[0][a.head]))
     # the caches hold the same keys as well: the next plain step of each is the same too
     nxt = [TargetPass(torch.tensor([3]), torch.tensor([int(p.positions.max()) + 1]), p.cache) for p in together]
     tgt.forward_many(nxt)

@@ -63,11 +63,27 @@ class PathLogits:
     def __len__(self) -> int:
         return self.hidden.shape[0]
 
+    def line(self, node: int) -> list[int]:
+        """``node`` and the line below it that the drafter put first."""
+        return self.first_line(self.tree, node)
+
+    @staticmethod
+    def first_line(tree: DraftTree, node: int = 0) -> list[int]:
+        """``node`` and the line below it that the drafter put first in ``tree``."""
+        line = [node]
+        while tree.children.get(line[-1]):
+            line.append(tree.children[line[-1]][0])
+        return line
+
+    def prefill(self, line: Sequence[int], logits: torch.Tensor) -> None:
+        """The logits of ``line``, computed elsewhere (in a head product shared with other
+        generations, see ``TargetModel.forward_many``): one product, as :meth:`__getitem__` would."""
+        self._rows.update(zip(line, logits))
+        self.products += 1
+
     def __getitem__(self, node: int) -> torch.Tensor:
         if node not in self._rows:
-            line = [node]
-            while self.tree.children.get(line[-1]):
-                line.append(self.tree.children[line[-1]][0])
+            line = self.line(node)
             index = torch.tensor(line, device=self.hidden.device)
             logits = self.target.logits(self.hidden.index_select(0, index), strict=self.strict)
             self._rows.update(zip(line, logits))
@@ -403,11 +419,16 @@ class Engine:
             return torch.cat(parts)
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
-    def _first_token(self, hidden, verifier, params, generator) -> int:
-        """The token after one row ``hidden`` [1, d] (a plain step, or the prompt's last row)."""
+    def _first_token(self, hidden, verifier, params, generator, logits: torch.Tensor | None = None) -> int:
+        """The token after one row ``hidden`` [1, d] (a plain step, or the prompt's last row);
+        ``logits``: its logits computed already (a shared head product)."""
         if getattr(verifier, "argmax_first_token", False):
+            if logits is not None:  # the probed head's row: greedy_token's argmax, as it would compute it
+                return int(logits[0].argmax())
             return self.target.greedy_token(hidden, strict=self.strict)
-        return verifier.first_token(self.target.logits(hidden, strict=self.strict)[0], params, generator)
+        if logits is None:
+            logits = self.target.logits(hidden, strict=self.strict)
+        return verifier.first_token(logits[0], params, generator)
 
     @torch.inference_mode()
     def _plain(self, ids, max_new, params, verifier, generator, stats) -> Iterator[list[int]]:
@@ -425,12 +446,13 @@ class Engine:
             if done:
                 return
             with stats.verification():
-                step = TargetPass(torch.tensor([token], device=device), torch.tensor([pos], device=device), cache)
+                step = TargetPass(torch.tensor([token], device=device), torch.tensor([pos], device=device), cache,
+                                  head=[0])
                 yield step  # the caller runs it (alone, or with other generations' passes)
                 stats.times["target_body"] += step.seconds
                 hidden = step.output()
                 with stats.timed("verify_head"):
-                    token = self._first_token(hidden, verifier, params, generator)
+                    token = self._first_token(hidden, verifier, params, generator, step.logits)
             pos += 1
 
     @torch.inference_mode()
@@ -480,7 +502,8 @@ class Engine:
                 step = TargetPass(torch.tensor(tree.tokens, device=device),
                                   root_pos + 1 + torch.tensor(tree.depths, device=device), cache,
                                   tree_mask=None if chain else tree.attention_mask(device),
-                                  chain=chain and drafted, layers=layers)
+                                  chain=chain and drafted, layers=layers,
+                                  head=PathLogits.first_line(tree))
                 yield step  # the caller runs it (alone, or with other generations' passes)
                 stats.times["target_body"] += step.seconds
                 hidden = step.output()
@@ -488,11 +511,13 @@ class Engine:
                 with stats.timed("verify_head"):
                     if drafted:
                         logits = PathLogits(target, hidden, tree, strict=self.strict)
+                        if step.logits is not None:
+                            logits.prefill(step.head, step.logits)
                         path, bonus = verifier.verify(tree, logits, params, generator)
                         stats.verify_products += logits.products
                         stats.record_acceptance(max(tree.depths) + 1, len(path))
                     else:  # plain decoding's own head (the certified greedy token)
-                        path, bonus = [], self._first_token(hidden, verifier, params, generator)
+                        path, bonus = [], self._first_token(hidden, verifier, params, generator, step.logits)
                         stats.plain_cycles += 1
             with stats.timed("bookkeeping"):
                 keep = [0, *path]

@@ -142,7 +142,11 @@ class TargetPass:
     tree_mask: torch.Tensor | None = None
     chain: bool = False
     layers: Sequence[int] | None = None
+    #: the rows whose full-vocabulary logits the loop reads first (a plain step's row, a chain's
+    #: rows): a driver of several passes computes them in shared head products into ``logits``
+    head: Sequence[int] | None = None
     result: Any = None
+    logits: torch.Tensor | None = None
     seconds: float = 0.0
     #: what the pass raised (it fails its own sequence alone)
     error: Exception | None = None
@@ -190,6 +194,8 @@ class TargetModel:
         #: the most rows one pass of several sequences computes (:meth:`forward_many`): set by
         #: :meth:`make_batch_invariant` to the row counts its probe covered; one sequence a pass before
         self.max_pass_rows = 1
+        #: the most rows one shared head product computes: the row counts the head's probe covers
+        self.max_head_rows = max(HEAD_PROBE_ROWS)
         self._head = None  # the probed (batch-invariant) LM-head product, once probed
         self._relaxed_head = None  # the same, unless it pads (then the stock product)
         self._certify: float | None = None  # see greedy_token
@@ -485,7 +491,9 @@ class TargetModel:
         forward computes them in one pass over all the rows (see ``LeanDecoder.forward_many``), in
         groups of at most :attr:`max_pass_rows` rows (the row counts the numerics probe covered);
         otherwise each runs alone. Every pass must ask for the same ``layers``. A pass that raises
-        sets its ``error`` and leaves the others' results as they would be without it."""
+        sets its ``error`` and leaves the others' results as they would be without it. With several
+        passes, the logits of every pass's ``head`` rows are computed too, in shared products of
+        the probed head (at most :attr:`max_head_rows` rows each), into its ``logits``."""
         if not passes:
             return
         layers = passes[0].layers
@@ -530,6 +538,23 @@ class TargetModel:
                 rows = slice(at, at + len(p.ids))
                 p.result = hidden[rows] if layers is None else (hidden[rows], fused[rows])
                 at += len(p.ids)
+        self._shared_head([p for p in passes if p.error is None and p.head], strict)
+
+    def _shared_head(self, passes: Sequence[TargetPass], strict: bool) -> None:
+        """The logits of the ``head`` rows of ``passes``, in products of at most ``max_head_rows``
+        rows (one read of the head for several sequences); each row as it is alone (probed)."""
+        if len(passes) < 2:
+            return
+        rows = []
+        for p in passes:
+            hidden = p.result[0] if isinstance(p.result, tuple) else p.result
+            rows.extend(hidden[i] for i in p.head)
+        out = torch.cat([self.logits(torch.stack(rows[i:i + self.max_head_rows]), strict=strict)
+                         for i in range(0, len(rows), self.max_head_rows)])
+        at = 0
+        for p in passes:
+            p.logits = out[at:at + len(p.head)]
+            at += len(p.head)
 
     def logits(self, hidden: torch.Tensor, *, strict: bool = True) -> torch.Tensor:
         """Full-vocabulary logits (float32) for hidden states [R, d], on the probed head (``strict``)
