@@ -88,6 +88,14 @@ def test_passes_beyond_the_probed_row_count_are_split(monkeypatch):
               for _ in range(5)]
     tgt.forward_many(passes)
     assert calls == [6, 6, 3] and all(p.result.shape[0] == 3 for p in passes)
+    # with kernels probed at some row counts only, a group holds one of those counts (or one pass)
+    calls.clear()
+    monkeypatch.setattr(tgt, "max_pass_rows", 64)
+    monkeypatch.setattr(tgt, "pass_rows", frozenset({1, 2, 4, 8}))
+    passes = [TargetPass(torch.tensor([7] * n), torch.arange(4, 4 + n), _filled(tgt, [5, 9, 31, 7]), chain=n > 1)
+              for n in (3, 1, 2, 2, 5)]
+    tgt.forward_many(passes)
+    assert calls == [8, 5] and [p.result.shape[0] for p in passes] == [3, 1, 2, 2, 5]
 
 
 def _interleaved(engine: Engine, prompts, lengths, **kwargs) -> tuple[list[str], list[int], list]:

@@ -194,6 +194,8 @@ class TargetModel:
         #: the most rows one pass of several sequences computes (:meth:`forward_many`): set by
         #: :meth:`make_batch_invariant` to the row counts its probe covered; one sequence a pass before
         self.max_pass_rows = 1
+        #: the row counts up to ``max_pass_rows`` the probe verified (None: every one)
+        self.pass_rows: frozenset[int] | None = None
         #: the most rows one shared head product computes: the row counts the head's probe covers
         self.max_head_rows = max(HEAD_PROBE_ROWS)
         self._head = None  # the probed (batch-invariant) LM-head product, once probed
@@ -325,8 +327,10 @@ class TargetModel:
                 report["attention"] = "row-wise for chains"
             from dynaspec.runtime import batch_invariance, quantized
 
-            # the most rows one pass of several sequences computes: what the probe of its kernels covered
+            # the rows one pass of several sequences computes: what the probe of its kernels covered
+            # (the quantised kernels' probe: every count up to its most; the others': the counts listed)
             self.max_pass_rows = quantized.PROBE_ROWS if body_kind is not None else max(batch_invariance.PROBE_ROWS)
+            self.pass_rows = None if body_kind is not None else frozenset((1, *batch_invariance.PROBE_ROWS))
             self.batch_invariance = report
         return self.batch_invariance
 
@@ -489,8 +493,8 @@ class TargetModel:
         """Run the plain steps and verifications of several sequences (each its own cache), setting
         each pass's ``result`` to what :meth:`forward` returns for it alone, bit for bit. The lean
         forward computes them in one pass over all the rows (see ``LeanDecoder.forward_many``), in
-        groups of at most :attr:`max_pass_rows` rows (the row counts the numerics probe covered);
-        otherwise each runs alone. Every pass must ask for the same ``layers``. A pass that raises
+        groups of at most :attr:`max_pass_rows` rows and of a row count the numerics probe covered
+        (:attr:`pass_rows`); otherwise each runs alone. Every pass must ask for the same ``layers``. A pass that raises
         sets its ``error`` and leaves the others' results as they would be without it. With several
         passes, the logits of every pass's ``head`` rows are computed too, in shared products of
         the probed head (at most :attr:`max_head_rows` rows each), into its ``logits``."""
@@ -512,12 +516,7 @@ class TargetModel:
                 alone(p)
             return
         count = len(self.decoder.layers)
-        groups: list[list[TargetPass]] = [[]]
-        for p in passes:
-            if groups[-1] and sum(len(q.ids) for q in groups[-1]) + len(p.ids) > self.max_pass_rows:
-                groups.append([])
-            groups[-1].append(p)
-        for group in groups:
+        for group in self._pass_groups(passes):
             lengths = [p.cache.get_seq_length() for p in group]
             try:
                 hidden, captured = self._lean_decoder().forward_many(
@@ -539,6 +538,32 @@ class TargetModel:
                 p.result = hidden[rows] if layers is None else (hidden[rows], fused[rows])
                 at += len(p.ids)
         self._shared_head([p for p in passes if p.error is None and p.head], strict)
+
+    def _pass_groups(self, passes: Sequence[TargetPass]) -> list[list[TargetPass]]:
+        """``passes`` in groups run together: at most ``max_pass_rows`` rows each, and a row count
+        the probe verified (``pass_rows``), unless a pass is alone (then it is a solo pass)."""
+        def rows(group):
+            return sum(len(p.ids) for p in group)
+
+        groups: list[list[TargetPass]] = []
+
+        def close(group):
+            while group:
+                k = len(group)
+                while k > 1 and not (rows(group[:k]) <= self.max_pass_rows and
+                                     (self.pass_rows is None or rows(group[:k]) in self.pass_rows)):
+                    k -= 1
+                groups.append(group[:k])
+                group = group[k:]
+
+        current: list[TargetPass] = []
+        for p in passes:
+            if current and rows(current) + len(p.ids) > self.max_pass_rows:
+                close(current)
+                current = []
+            current.append(p)
+        close(current)
+        return groups
 
     def _shared_head(self, passes: Sequence[TargetPass], strict: bool) -> None:
         """The logits of the ``head`` rows of ``passes``, in products of at most ``max_head_rows``
