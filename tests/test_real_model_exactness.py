@@ -101,3 +101,34 @@ def test_default_batched_with_other_requests_equals_it_alone(auto_engines):
         target.forward_many(passes, strict=default.strict)
     assert widest == 3
     assert out == [default.generate(p, max_new_tokens=n).text for p, n in zip(prompts, lengths)]
+
+
+LOWERED = """
+import json, sys, torch
+torch.set_num_threads(2)
+from dynaspec.runtime.engine import Engine
+baseline, default = Engine.from_stacks(["baseline", "gemma"])
+ids = default.target.tokenizer(default.target.format_prompt("Explain why the sky is blue."))["input_ids"]
+spec = default.generate(ids, max_new_tokens=24)
+json.dump({"capability": torch.backends.cpu.get_cpu_capability(), "exactness": spec.stats.exactness,
+           "spec": spec.token_ids, "plain": baseline.generate(ids, max_new_tokens=24).token_ids,
+           "cycles": spec.stats.cycles}, sys.stdout)
+"""
+
+
+def test_default_is_exact_with_lowered_cpu_kernels_and_two_threads():
+    """The kernels a user's machine runs can differ from the CPU's flags: torch limited to AVX2
+    and oneDNN to AVX2, with 2 threads, probe their own verdicts (the verdict's key holds the
+    capability, the ISA limit and the thread count) and the default stays its plain decoding."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run([sys.executable, "-c", LOWERED], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    assert out["capability"] in ("AVX2", "DEFAULT")  # lowered (DEFAULT on a CPU without AVX2)
+    assert out["exactness"] == "guaranteed" and out["spec"] == out["plain"]
+    assert out["cycles"] < 24
