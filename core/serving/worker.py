@@ -122,7 +122,11 @@ class Worker:
                 if job is None:
                     closing = True
                 elif not job.cancelled.is_set():
-                    active.append(self._begin(job))
+                    try:
+                        active.append(self._begin(job))
+                    except Exception as exc:  # noqa: BLE001 - a request that cannot start fails alone
+                        job.emit("error", f"{type(exc).__name__}: {exc}")
+                        self.metrics.record(job.stats, len(job.prompt_ids))
             if not active:
                 if closing:
                     return
