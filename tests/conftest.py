@@ -136,3 +136,27 @@ def pack_tiles(q: torch.Tensor, lanes: int, tile_rows: int) -> tuple[torch.Tenso
     packed = body.view(tiles, tile_rows, kv // lanes, lanes).transpose(1, 2).contiguous().view(-1)
     return packed, q[:, kv:].contiguous()
 
+
+def interleaved(engine: Engine, prompts, lengths, **kwargs) -> tuple[list[str], list[int], list]:
+    """Generate every prompt at once, as the server's worker does: each cycle, every active
+    generation runs to its next target pass, and all the passes run in one ``forward_many``."""
+    from dynaspec.runtime.stats import GenerationStats
+    from dynaspec.runtime.target import TargetPass
+
+    stats = [GenerationStats() for _ in prompts]
+    gens = [engine.stream_passes(p, max_new_tokens=n, stats=s, **kwargs) for p, n, s in zip(prompts, lengths, stats)]
+    texts = [""] * len(prompts)
+    active, sizes = list(range(len(prompts))), []
+    while active:
+        passes = []
+        for i in list(active):
+            for item in gens[i]:
+                if isinstance(item, TargetPass):
+                    passes.append(item)
+                    break
+                texts[i] += item
+            else:
+                active.remove(i)
+        engine.target.forward_many(passes, strict=engine.strict)
+        sizes.append(len(passes))
+    return texts, sizes, stats

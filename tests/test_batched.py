@@ -7,10 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import BACKEND, builtin_registry, make_engine, random_drafter, target, trained_drafter
+from conftest import (
+    BACKEND,
+    builtin_registry,
+    interleaved,
+    make_engine,
+    random_drafter,
+    target,
+    trained_drafter,
+)
 from dynaspec.runtime.config import stack_from_mapping
 from dynaspec.runtime.engine import Engine
-from dynaspec.runtime.stats import GenerationStats
 from dynaspec.runtime.target import TargetPass
 
 
@@ -98,28 +105,6 @@ def test_passes_beyond_the_probed_row_count_are_split(monkeypatch):
     assert calls == [8, 5] and [p.result.shape[0] for p in passes] == [3, 1, 2, 2, 5]
 
 
-def _interleaved(engine: Engine, prompts, lengths, **kwargs) -> tuple[list[str], list[int], list]:
-    """Generate every prompt at once, as the server's worker does: each cycle, every active
-    generation runs to its next target pass, and all the passes run in one ``forward_many``."""
-    stats = [GenerationStats() for _ in prompts]
-    gens = [engine.stream_passes(p, max_new_tokens=n, stats=s, **kwargs) for p, n, s in zip(prompts, lengths, stats)]
-    texts = [""] * len(prompts)
-    active, sizes = list(range(len(prompts))), []
-    while active:
-        passes = []
-        for i in list(active):
-            for item in gens[i]:
-                if isinstance(item, TargetPass):
-                    passes.append(item)
-                    break
-                texts[i] += item
-            else:
-                active.remove(i)
-        engine.target.forward_many(passes, strict=engine.strict)
-        sizes.append(len(passes))
-    return texts, sizes, stats
-
-
 STACKS = [
     dict(draft={"mode": "chain", "depth": 4}),
     dict(draft={"mode": "chain", "depth": 3, "adaptive": True},
@@ -138,7 +123,7 @@ def test_generations_batched_together_give_their_solo_outputs(kind, fields):
     prompts = [torch.randint(3, 99, (int(n),), generator=gen).tolist() for n in (4, 9, 2, 6, 12)]
     lengths = [30, 12, 40, 25, 18]
     kwargs = {"seed": 5} if fields.get("decode") else {}
-    texts, sizes, stats = _interleaved(engine, prompts, lengths, **kwargs)
+    texts, sizes, stats = interleaved(engine, prompts, lengths, **kwargs)
     assert max(sizes) == len(prompts) and sizes[-1] < len(prompts)  # batched, and generations left
     for prompt, n, text, st in zip(prompts, lengths, texts, stats):
         solo = engine.generate(prompt, max_new_tokens=n, **kwargs)
@@ -151,7 +136,7 @@ def test_plain_decoding_batched_and_a_random_drafter_batched():
     for drafter in (None, random_drafter("llama")):
         engine = make_engine("llama", drafter, builtin_registry(), draft={"mode": "chain", "depth": 5})
         prompts = [[5, 9, 31, 7], [8], [40, 41, 42, 43, 44, 45]]
-        texts, sizes, _ = _interleaved(engine, prompts, [50, 20, 35])
+        texts, sizes, _ = interleaved(engine, prompts, [50, 20, 35])
         assert max(sizes) == 3
         assert texts == [engine.generate(p, max_new_tokens=n).text for p, n in zip(prompts, [50, 20, 35])]
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import interleaved
+
 LONG = (
     "The history of the lighthouse at {n} Harbour Road begins in {y}, when the town council voted to "
     "replace the old signal fire with a stone tower. Builders hauled granite from the quarry on the "
@@ -77,28 +79,14 @@ def test_default_batched_with_other_requests_equals_it_alone(auto_engines):
     """Three requests generated together, as `dynaspec serve` does (their plain steps and
     verifications in shared passes of the real target on its quantised kernels): each output is its
     solo output."""
-    from dynaspec.runtime.target import TargetPass
-
     _, default = auto_engines
     target = default.target
     texts = ["Explain why the sky is blue.", "def fibonacci(n):", "The capital of France is"]
     prompts = [target.tokenizer(target.format_prompt(t))["input_ids"] for t in texts[:1]] + \
         [target.tokenizer(t)["input_ids"] for t in texts[1:]]
     lengths = [32, 24, 16]
-    gens = [default.stream_passes(p, max_new_tokens=n) for p, n in zip(prompts, lengths)]
-    out, active, widest = [""] * 3, [0, 1, 2], 0
-    while active:
-        passes = []
-        for i in list(active):
-            for item in gens[i]:
-                if isinstance(item, TargetPass):
-                    passes.append(item)
-                    break
-                out[i] += item
-            else:
-                active.remove(i)
-        widest = max(widest, len(passes))
-        target.forward_many(passes, strict=default.strict)
+    out, sizes, _ = interleaved(default, prompts, lengths)
+    widest = max(sizes)
     assert widest == 3
     assert out == [default.generate(p, max_new_tokens=n).text for p, n in zip(prompts, lengths)]
 

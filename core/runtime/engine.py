@@ -63,10 +63,6 @@ class PathLogits:
     def __len__(self) -> int:
         return self.hidden.shape[0]
 
-    def line(self, node: int) -> list[int]:
-        """``node`` and the line below it that the drafter put first."""
-        return self.first_line(self.tree, node)
-
     @staticmethod
     def first_line(tree: DraftTree, node: int = 0) -> list[int]:
         """``node`` and the line below it that the drafter put first in ``tree``."""
@@ -83,7 +79,7 @@ class PathLogits:
 
     def __getitem__(self, node: int) -> torch.Tensor:
         if node not in self._rows:
-            line = self.line(node)
+            line = self.first_line(self.tree, node)
             index = torch.tensor(line, device=self.hidden.device)
             logits = self.target.logits(self.hidden.index_select(0, index), strict=self.strict)
             self._rows.update(zip(line, logits))
