@@ -25,6 +25,7 @@ Everything a drafter proposes is verified by the target, so no drafter can chang
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Protocol, Sequence
 
 import attrs
@@ -39,8 +40,10 @@ class DraftSession(Protocol):
     """One generation's drafting state (a drafter's KV cache, an n-gram index, ...)."""
 
     def grow(self, tokens: torch.Tensor, features: torch.Tensor, n: int, params, verifier, generator,
-             stats) -> DraftTree:
-        """The draft tree below the last committed token.
+             stats, depth: int | None = None) -> DraftTree:
+        """The draft tree below the last committed token, at most ``depth`` positions deep
+        (``None``: the drafter's own depth; a server batching several requests lowers it). A session
+        whose ``grow`` takes no ``depth`` still works: the engine cuts its trees.
 
         ``tokens[:n]`` are the committed tokens (prompt and output); ``features[:n - 1]`` the
         target's features at those positions (see :attr:`DraftSource.feature_layers`). The tree's
@@ -148,12 +151,12 @@ class _NeuralSession:
 
         self.drafting, self.cache = drafting, DraftCache(capacity)
 
-    def grow(self, tokens, features, n, params, verifier, generator, stats) -> DraftTree:
+    def grow(self, tokens, features, n, params, verifier, generator, stats, depth=None) -> DraftTree:
         # the drafter consumes (x_p, f_{p-1}) for the positions it has not seen yet (more than one
-        # after cycles another drafter of a composite drafted)
+        # after cycles another drafter of a composite drafted, or plain steps)
         seen = self.cache.length
         return self.drafting.grow(tokens[seen + 1:n], features[seen:n - 1], n - 1, self.cache, params,
-                                  verifier, generator, stats, tokens[:n])
+                                  verifier, generator, stats, tokens[:n], depth)
 
 
 # -- prompt lookup ----------------------------------------------------------------------------------
@@ -208,11 +211,12 @@ class NGramIndex:
                 return text[start + k:start + k + self.limit], k
         return [], 0
 
-    def grow(self, tokens, features, n, params, verifier, generator, stats) -> DraftTree:
+    def grow(self, tokens, features, n, params, verifier, generator, stats, depth=None) -> DraftTree:
         with stats.timed("lookup"):
             if n > len(self.text):
                 self.extend(tokens[len(self.text):n].tolist())
             proposal, _ = self.lookup()
+            proposal = proposal if depth is None else proposal[:depth]
             tree = DraftTree.with_root(self.text[-1])
             node = 0
             for token in proposal:
@@ -252,11 +256,11 @@ class _CompositeSession:
     def __init__(self, sessions, merge: bool) -> None:
         self.sessions, self.merge = sessions, merge
 
-    def grow(self, tokens, features, n, params, verifier, generator, stats) -> DraftTree:
+    def grow(self, tokens, features, n, params, verifier, generator, stats, depth=None) -> DraftTree:
         merge = self.merge and verifier.prunes  # a sampler's siblings must come from one distribution
         merged = None
         for index, session in enumerate(self.sessions):
-            tree = session.grow(tokens, features, n, params, verifier, generator, stats)
+            tree = grow_within(session, tokens, features, n, params, verifier, generator, stats, depth)
             if len(tree) == 1:
                 continue
             stats.draft_sources[index] += 1
@@ -264,6 +268,24 @@ class _CompositeSession:
                 return tree
             merged = tree if merged is None else merge_trees(merged, tree)
         return merged if merged is not None else DraftTree.with_root(int(tokens[n - 1]))
+
+
+def grow_within(session, tokens, features, n, params, verifier, generator, stats,
+                depth: int | None) -> DraftTree:
+    """``session.grow`` at most ``depth`` positions deep: a session whose ``grow`` takes no ``depth``
+    (a plugin written before it existed) drafts its own depth and the tree is cut."""
+    if depth is None:
+        return session.grow(tokens, features, n, params, verifier, generator, stats)
+    takes = _TAKES_DEPTH.get(type(session))
+    if takes is None:
+        takes = _TAKES_DEPTH[type(session)] = "depth" in inspect.signature(session.grow).parameters
+    if takes:
+        return session.grow(tokens, features, n, params, verifier, generator, stats, depth=depth)
+    return session.grow(tokens, features, n, params, verifier, generator, stats).within(depth)
+
+
+#: per session class: whether its ``grow`` takes ``depth``
+_TAKES_DEPTH: dict[type, bool] = {}
 
 
 def merge_trees(first: DraftTree, second: DraftTree) -> DraftTree:

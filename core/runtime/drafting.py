@@ -54,9 +54,11 @@ class Drafting:
         return Shortlist(rows), vocab[rows]
 
     def grow(self, fresh_tokens, fresh_features, root_pos, dcache, params, verifier, generator,
-             stats, context) -> DraftTree:
-        """Grow the draft tree below the root (the last committed token)."""
+             stats, context, depth: int | None = None) -> DraftTree:
+        """Grow the draft tree below the root (the last committed token), at most ``depth``
+        positions deep (``None``: the stack's ``draft.depth``)."""
         cfg, target, drafter = self.cfg, self.target, self.drafter
+        steps = cfg.depth if depth is None else max(1, min(cfg.depth, depth))
         device, dtype = target.device, drafter.fc.weight.dtype
         with stats.timed("embed"):
             emb = target.embed(fresh_tokens).to(dtype)
@@ -71,7 +73,7 @@ class Drafting:
         tree = DraftTree.with_root(int(fresh_tokens[-1]))
         frontier: list[int] = [0]
         slots: dict[int, int] = {}  # tree node -> its entry in the drafter cache (beyond `base`)
-        for depth in range(cfg.depth):
+        for depth in range(steps):
             counts = self._child_counts(tree, len(frontier), depth, verifier)
             if not any(counts):
                 break
@@ -99,7 +101,7 @@ class Drafting:
                         child = tree.add(node, tok, lq)
                         new_nodes.append(child)
                         parent_row[child] = row
-            if depth == cfg.depth - 1 or self._confidence(tree, new_nodes) < cfg.min_confidence:
+            if depth == steps - 1 or self._confidence(tree, new_nodes) < cfg.min_confidence:
                 break
             # expand the best new nodes: feed (token, parent's predicted feature) to the drafter
             frontier = sorted(new_nodes, key=lambda n: (-tree.scores[n], n))[: cfg.topk]

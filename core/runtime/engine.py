@@ -18,8 +18,8 @@ import torch
 from dynaspec.errors import ConfigError, InputError
 from dynaspec.runtime.config import StackConfig
 from dynaspec.runtime.drafter import Drafter
-from dynaspec.runtime.drafters import DrafterContext, DraftSource, build_drafter
-from dynaspec.runtime.gate import DraftGate, PlainCost
+from dynaspec.runtime.drafters import DrafterContext, DraftSource, build_drafter, grow_within
+from dynaspec.runtime.gate import DepthControl, DraftGate, PlainCost
 from dynaspec.runtime.protocols import DecodeParams, ShortlisterCapabilities, capabilities
 from dynaspec.runtime.registry import Registry, default_registry
 from dynaspec.runtime.stats import GenerationStats
@@ -296,11 +296,13 @@ class Engine:
         return self._solo(self.stream_passes(prompt, stats=stats, stop=stop, **kwargs))
 
     def stream_passes(self, prompt: str | Sequence[int] | torch.Tensor, *, stats: GenerationStats | None = None,
-                      stop: Sequence[str] = (), **kwargs) -> Iterator["str | TargetPass"]:
+                      stop: Sequence[str] = (), control: DepthControl | None = None,
+                      **kwargs) -> Iterator["str | TargetPass"]:
         """:meth:`stream`, handing each plain step or verification of the target to the caller as a
         :class:`~dynaspec.runtime.target.TargetPass` to run, alone or with other generations'
         (:meth:`TargetModel.forward_many`), before taking the next item: text pieces and passes.
-        The prefill runs inside. This is how a server verifies several requests in one pass."""
+        The prefill runs inside. This is how a server verifies several requests in one pass;
+        ``control`` lets it set each cycle's draft depth (see :class:`DepthControl`)."""
         _, run = self._start(prompt, kwargs.get("max_new_tokens"), kwargs.get("temperature"),
                              kwargs.get("top_p"), kwargs.get("seed"))
         stats = stats if stats is not None else GenerationStats()
@@ -309,7 +311,7 @@ class Engine:
         # hold back as many characters as a stop text could still be growing into
         hold = max((len(s) for s in stop), default=1) - 1
         start = time.perf_counter()
-        for chunk in run(stats):
+        for chunk in run(stats, control):
             if isinstance(chunk, TargetPass):
                 yield chunk
                 continue
@@ -376,11 +378,12 @@ class Engine:
                 f"of {self.target.max_positions} positions")
         verifier = self.verifier_for(params.temperature)
         generator = torch.Generator(device=self.target.device).manual_seed(0 if seed is None else int(seed))
-        loop = self._speculate if self.source is not None else self._plain
 
-        def run(stats):
+        def run(stats, control=None):
             stats.exactness, stats.exactness_reason = self.exactness, self.exactness_reason
-            return loop(ids, max_new, params, verifier, generator, stats)
+            if self.source is None:
+                return self._plain(ids, max_new, params, verifier, generator, stats)
+            return self._speculate(ids, max_new, params, verifier, generator, stats, control)
 
         return ids, run
 
@@ -452,7 +455,8 @@ class Engine:
             pos += 1
 
     @torch.inference_mode()
-    def _speculate(self, ids, max_new, params, verifier, generator, stats) -> Iterator[list[int]]:
+    def _speculate(self, ids, max_new, params, verifier, generator, stats,
+                   control: DepthControl | None = None) -> Iterator[list[int]]:
         """Speculative decoding. Invariant at the top of each cycle: ``tokens[:n]`` are committed,
         the target's cache holds all but the last of them (the root), and ``features[p]`` is the
         target's feature at position p < n - 1 (kept for drafters that read features). Every
@@ -488,8 +492,9 @@ class Engine:
         while not done:
             root_pos = n - 1
             started = time.perf_counter()
-            if gate is None or gate.draft_now():
-                tree = session.grow(tokens, features, n, params, verifier, generator, stats)
+            limit = control.limit if control is not None else None
+            if limit != 0 and (gate is None or gate.draft_now()):
+                tree = grow_within(session, tokens, features, n, params, verifier, generator, stats, limit)
             else:
                 tree = DraftTree.with_root(int(tokens[root_pos]))
             with stats.verification():
@@ -512,6 +517,8 @@ class Engine:
                         path, bonus = verifier.verify(tree, logits, params, generator)
                         stats.verify_products += logits.products
                         stats.record_acceptance(max(tree.depths) + 1, len(path))
+                        if control is not None:
+                            control.record(max(tree.depths) + 1, len(path))
                     else:  # plain decoding's own head (the certified greedy token)
                         path, bonus = [], self._first_token(hidden, verifier, params, generator, step.logits)
                         stats.plain_cycles += 1

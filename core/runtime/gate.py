@@ -22,6 +22,8 @@ on the prompts the results report.
 
 from __future__ import annotations
 
+import attrs
+
 #: weight of the newest cycle in the exponential averages
 ALPHA = 0.5
 #: drafted cycles seen in a generation before the gate may stop drafting
@@ -84,3 +86,27 @@ class DraftGate:
             self.backoff = min(2 * self.backoff, MAX_BACKOFF)
         elif looking:
             self.backoff = FIRST_BACKOFF
+
+
+@attrs.define(eq=False)
+class DepthControl:
+    """A caller's hold on one generation's draft depth, cycle by cycle, and what its drafts earned.
+
+    A server that verifies several requests in one pass sets ``limit`` before each cycle (see
+    ``dynaspec.serving.planner``): ``None`` drafts as the stack says, ``0`` takes a plain step, ``k``
+    drafts at most ``k`` positions. Greedy output does not depend on it: only what is proposed
+    changes, never what is verified. The generation counts, per draft position, the drafted cycles
+    that drafted it and those in which it was accepted."""
+
+    limit: int | None = None
+    drafted: list[int] = attrs.field(factory=list)
+    accepted: list[int] = attrs.field(factory=list)
+    #: consecutive cycles this generation was held to a plain step
+    held: int = 0
+
+    def record(self, depth: int, accepted: int) -> None:
+        """A drafted cycle reached ``depth`` positions and ``accepted`` of them were accepted."""
+        for counts, upto in ((self.drafted, depth), (self.accepted, accepted)):
+            counts.extend([0] * (upto - len(counts)))
+            for p in range(upto):
+                counts[p] += 1

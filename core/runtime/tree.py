@@ -74,6 +74,27 @@ class DraftTree:
                 out.draft_probs[remap[old]] = self.draft_probs[old]
         return out
 
+    def within(self, positions: int) -> "DraftTree":
+        """The tree cut to its first ``positions`` draft positions (nodes deeper are dropped; a
+        node left without children keeps no draft distribution)."""
+        if positions < 0:
+            raise ValueError(f"positions must be >= 0, got {positions}")
+        if max(self.depths) < positions:
+            return self
+        keep = [i for i in range(len(self)) if self.depths[i] < positions]
+        remap = {old: new for new, old in enumerate(keep)}
+        out = DraftTree(tokens=[self.tokens[i] for i in keep],
+                        parents=[remap.get(self.parents[i], -1) for i in keep],
+                        depths=[self.depths[i] for i in keep],
+                        scores=[self.scores[i] for i in keep])
+        for old in keep:
+            kids = [remap[c] for c in self.children.get(old, []) if c in remap]
+            if kids:
+                out.children[remap[old]] = kids
+                if old in self.draft_probs:
+                    out.draft_probs[remap[old]] = self.draft_probs[old]
+        return out
+
     def attention_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
         """bool [N, N]: node i may attend to node j iff j is i or one of its ancestors."""
         n = len(self)

@@ -33,6 +33,9 @@ class Metrics:
         self.batch_size = Histogram("dynaspec_batch_size", "requests whose plain steps or verifications ran in one "
                                     "pass of the target, per cycle", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
                                     registry=r)
+        self.draft_limit = Histogram("dynaspec_draft_limit", "draft positions a request may draft in a cycle, as "
+                                     "the batch's planner sets them (its stack's depth: no limit)",
+                                     buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12), registry=r)
         self.tokens_per_second = Gauge("dynaspec_tokens_per_second", "tokens/s of the last finished request",
                                        registry=r)
 

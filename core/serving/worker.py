@@ -13,6 +13,10 @@ request attending over its own cache). The target's kernels compute every row as
 so each request's output is what it gives alone. New requests join between cycles (their prefill
 runs when they join) and finished ones leave. A job whose client went away is cancelled: it leaves
 at the next cycle. An exception inside the engine fails that job alone.
+
+With several requests in a batch, a :class:`~dynaspec.serving.planner.DepthPlanner` sets how deep
+each drafts this cycle, from the measured cycle costs and each request's acceptance, so that
+drafting never costs the batch more than it gains.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from typing import Any, Iterator, Sequence
 
 import attrs
 
+from dynaspec.runtime.gate import DepthControl
 from dynaspec.runtime.stats import GenerationStats
 from dynaspec.runtime.target import TargetPass
+from dynaspec.serving.planner import DepthPlanner
 
 
 class QueueFull(Exception):
@@ -63,7 +69,10 @@ class _Active:
 
     job: Job
     items: Iterator
+    control: DepthControl
     started: float = attrs.field(factory=time.perf_counter)
+    #: its prefill has not run yet (it runs at its first advance)
+    fresh: bool = True
 
 
 class Worker:
@@ -74,6 +83,9 @@ class Worker:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.engine, self.metrics, self.threads, self.max_batch = engine, metrics, threads, max_batch
         self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        source = engine.source
+        #: the draft depths of a batch (None: the stack does not draft)
+        self.planner = DepthPlanner(source.max_depth) if source is not None else None
         #: the jobs being generated now
         self.running: list[Job] = []
         self._thread = threading.Thread(target=self._run, name="dynaspec-engine", daemon=True)
@@ -133,11 +145,19 @@ class Worker:
                 continue
             self.running = [a.job for a in active]
             self.metrics.running.set(len(active))
+            if self.planner is not None:
+                for limit in self.planner.plan([a.control for a in active]):
+                    self.metrics.draft_limit.observe(self.planner.max_depth if limit is None else limit)
+            cycle = time.perf_counter()
+            joined = any(a.fresh for a in active)
             passes = []
             for entry in list(active):
                 step = self._advance(entry)
+                entry.fresh = False
                 if step is None:
                     active.remove(entry)
+                    if self.planner is not None:
+                        self.planner.retire(entry.control)
                 else:
                     passes.append(step)
             if passes:
@@ -151,15 +171,19 @@ class Worker:
                 seconds = time.perf_counter() - started
                 for step in passes:
                     step.seconds = seconds
+                if self.planner is not None and not joined:
+                    drafted = sum(len(step.ids) - 1 for step in passes)
+                    self.planner.costs.observe(len(passes), drafted, time.perf_counter() - cycle)
             if not active:
                 self.running = []
                 self.metrics.running.set(0)
 
     def _begin(self, job: Job) -> _Active:
-        items = self.engine.stream_passes(job.prompt_ids, stats=job.stats, stop=job.stop,
+        control = DepthControl()
+        items = self.engine.stream_passes(job.prompt_ids, stats=job.stats, stop=job.stop, control=control,
                                           max_new_tokens=job.max_tokens, temperature=job.temperature,
                                           top_p=job.top_p, seed=job.seed)
-        return _Active(job, items)
+        return _Active(job, items, control)
 
     def _advance(self, entry: _Active):
         """Run ``entry``'s generation to its next target pass (None: it has left: finished, failed
