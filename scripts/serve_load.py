@@ -109,6 +109,26 @@ def load(url: str, model: str, prompts: list[str], clients: int, new_tokens: int
             "rows": ordered}
 
 
+def histogram_totals(url: str) -> dict[str, tuple[float, float]]:
+    """``{name: (sum, count)}`` of the server's histograms now (``/metrics``)."""
+    import httpx
+
+    out: dict[str, list[float]] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        for suffix, slot in (("_sum ", 0), ("_count ", 1)):
+            if line.startswith("dynaspec_") and suffix in line:
+                name = line.split(suffix)[0]
+                out.setdefault(name, [0.0, 0.0])[slot] = float(line.split()[-1])
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def mean_between(before: dict, after: dict, name: str) -> float | None:
+    """The mean of histogram ``name`` over what it observed between two readings."""
+    s0, c0 = before.get(name, (0.0, 0.0))
+    s1, c1 = after.get(name, (0.0, 0.0))
+    return round((s1 - s0) / (c1 - c0), 3) if c1 > c0 else None
+
+
 def solo(stack: str, prompts: list[str], new_tokens: int) -> dict:
     from dynaspec.runtime.engine import Engine
 
@@ -150,15 +170,25 @@ def main(argv=None) -> int:
               file=sys.stderr)
     reference: list[str] | None = None
     for config in args.configs:
-        stack, _, batch = config.partition(":")
+        stack, _, batch = config.rpartition(":")
+        if not batch.isdigit():
+            stack, batch = config, ""
         max_batch = int(batch or 8)
         proc, url = start_server(stack, max_batch, args.threads, queue=max(args.clients) + 1)
         try:
+            import httpx
+
+            model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]  # the stack's name
             for clients in args.clients:
-                run = load(url, stack, prompts, clients, args.new_tokens)
+                before = histogram_totals(url)
+                run = load(url, model, prompts, clients, args.new_tokens)
+                after = histogram_totals(url)
+                # requests per pass of the target, and the draft positions the planner allowed
+                run["mean_batch"] = mean_between(before, after, "dynaspec_batch_size")
+                run["mean_draft_limit"] = mean_between(before, after, "dynaspec_draft_limit")
                 texts = [r["text"] for r in run["rows"]]
                 reference = reference or texts
-                run.update(stack=stack, max_batch=max_batch,
+                run.update(stack=model, stack_ref=stack, max_batch=max_batch,
                            identical=sum(a == b for a, b in zip(texts, reference)))
                 if args.solo:
                     run["identical_to_solo"] = sum(a == b for a, b in zip(texts, report["solo"]["texts"]))
@@ -170,10 +200,12 @@ def main(argv=None) -> int:
             proc.terminate()
             proc.wait(timeout=120)
     lines = ["| stack | max batch | clients | aggregate tokens/s | median time to first text | median tokens/s per "
-             "request | answers identical to the first configuration's |", "|---|---|---|---|---|---|---|"]
+             "request | mean requests per pass | mean draft limit | answers identical to the first configuration's |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         lines.append(f"| {r['stack']} | {r['max_batch']} | {r['clients']} | {r['aggregate_tokens_per_s']:.2f} | "
                      f"{r['median_ttft_s']:.2f} s | {r['median_request_tokens_per_s']:.2f} | "
+                     f"{r['mean_batch'] or ''} | {r['mean_draft_limit'] if r['mean_draft_limit'] is not None else ''} | "
                      f"{r['identical']}/{r['requests']} |")
     print("\n".join(lines))
     if args.json_out:

