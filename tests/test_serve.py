@@ -279,3 +279,45 @@ def test_a_request_that_fails_inside_the_engine_fails_alone(engine):
         assert good.status_code == 200 and good.json()["choices"][0]["text"] == engine.generate(
             "fine", max_new_tokens=4).text
         assert http.get("/health").json()["status"] == "ready"
+
+
+@pytest.mark.slow
+def test_the_real_default_served_equals_generate_alone_and_batched():
+    """``dynaspec serve`` on the embedded default (Qwen2.5-Coder, chat template): streamed and
+    non-streamed answers, alone and three at once, each equal to ``Engine.generate`` for it."""
+    from dynaspec.runtime.engine import Engine
+
+    engine = Engine.from_stack("default")
+    proc, url = _start("default", "--max-batch", "4")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+        message = "Write a Python function that reverses a string."
+        text = engine.target.tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                                           add_generation_prompt=True)
+        solo = engine.generate(text, max_new_tokens=40)
+        out = client.chat.completions.create(model="default", messages=[{"role": "user", "content": message}],
+                                             max_tokens=40)
+        assert out.choices[0].message.content == solo.text
+        assert out.usage.completion_tokens == len(solo.token_ids)
+        stream = client.chat.completions.create(model="default", messages=[{"role": "user", "content": message}],
+                                                max_tokens=40, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == solo.text
+        prompts = [engine.target.format_prompt(p) for p in ("What is a monad?", "Sort a list in Go.",
+                                                            "Explain TCP slow start.")]
+        answers: dict[int, str] = {}
+
+        def ask(i: int) -> None:
+            answers[i] = client.completions.create(model="default", prompt=prompts[i], max_tokens=32).choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [answers[i] for i in range(len(prompts))] == [engine.generate(p, max_new_tokens=32).text
+                                                             for p in prompts]
+        metrics = httpx.get(url + "/metrics").text
+        assert "dynaspec_batch_size_bucket" in metrics and "dynaspec_draft_limit_count" in metrics
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
