@@ -157,3 +157,26 @@ def test_greedy_token_is_the_padded_heads_argmax_and_certifies_most_steps(monkey
         assert padded_calls == [1]
         w[other] = saved
     assert _certificate(tgt, "stock") is None
+
+
+@pytest.mark.parametrize(("flags", "capability", "isa", "native"), [
+    ({"avx512f", "avx512_bf16"}, "AVX512", None, True),
+    ({"avx512f", "amx_bf16"}, "AVX512", "avx512_core_amx", True),
+    ({"avx512f", "avx512_bf16"}, "AVX2", None, False),  # ATEN_CPU_CAPABILITY=avx2
+    ({"avx512f", "avx512_bf16"}, "AVX512", "AVX2", False),  # ONEDNN_MAX_CPU_ISA=AVX2
+    ({"avx512f", "avx512_bf16"}, "AVX512", "AVX512_CORE", False),  # AVX-512 without its bf16 dot products
+    ({"avx2", "fma"}, "AVX2", None, False),
+])
+def test_auto_dtype_follows_the_kernels_that_will_run(monkeypatch, flags, capability, isa, native):
+    """``dtype = "auto"`` is bfloat16 only where the kernels in use compute it natively: the
+    CPU's flags, torch's dispatch capability and oneDNN's ISA limit, not the flags alone."""
+    from dynaspec.runtime import target as target_mod
+
+    monkeypatch.setattr(target_mod, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    if isa is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    assert target_mod.native_bf16("cpu") is native
+    assert target_mod.resolve_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)

@@ -99,6 +99,7 @@ baseline, default = Engine.from_stacks(["baseline", "gemma"])
 ids = default.target.tokenizer(default.target.format_prompt("Explain why the sky is blue."))["input_ids"]
 spec = default.generate(ids, max_new_tokens=24)
 json.dump({"capability": torch.backends.cpu.get_cpu_capability(), "exactness": spec.stats.exactness,
+           "dtype": str(default.target.dtype),
            "spec": spec.token_ids, "plain": baseline.generate(ids, max_new_tokens=24).token_ids,
            "cycles": spec.stats.cycles}, sys.stdout)
 """
@@ -118,5 +119,6 @@ def test_default_is_exact_with_lowered_cpu_kernels_and_two_threads():
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout)
     assert out["capability"] in ("AVX2", "DEFAULT")  # lowered (DEFAULT on a CPU without AVX2)
+    assert out["dtype"] == "torch.float32"  # auto: bfloat16 would be emulated by these kernels
     assert out["exactness"] == "guaranteed" and out["spec"] == out["plain"]
     assert out["cycles"] < 24

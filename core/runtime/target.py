@@ -22,17 +22,37 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 HEAD_PROBE_ROWS = tuple(range(2, 10))
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``; none where it is missing)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return set(next((line for line in fh if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+#: oneDNN ISA limits (``ONEDNN_MAX_CPU_ISA``) under which its products compute bfloat16 natively
+_ONEDNN_BF16_ISAS = {"AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX512_CORE_AMX",
+                     "AVX512_CORE_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2", "ALL", "DEFAULT", ""}
+
+
 def native_bf16(device: torch.device | str = "cpu") -> bool:
-    """Whether ``device`` computes bfloat16 natively (then it is the faster target dtype)."""
+    """Whether ``device`` computes bfloat16 natively with the kernels that will run (then it is the
+    faster target dtype): on a CPU, the processor has the instructions (``/proc/cpuinfo``), torch
+    dispatches to its AVX-512 kernels (``ATEN_CPU_CAPABILITY`` can lower that) and oneDNN may use
+    them (``ONEDNN_MAX_CPU_ISA`` can lower that). Emulated bfloat16 costs more than float32 and
+    makes a verification's rows far dearer than a plain step's."""
+    import os
+
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            flags = next((line for line in fh if line.startswith("flags")), "").split()
-    except OSError:
+    flags = cpu_flags()
+    if "avx512_bf16" not in flags and "amx_bf16" not in flags:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return False
+    return os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in _ONEDNN_BF16_ISAS
 
 
 def resolve_dtype(name: str, device: torch.device | str = "cpu", *, exact_in_bf16: bool = True) -> torch.dtype:
