@@ -59,6 +59,26 @@ def test_default_equals_hugging_face_generate(default_engine, text, new):
     assert result.stats.cycles < new  # speculation really ran (some drafts were accepted)
 
 
+def test_against_unpatched_hugging_face_in_float32(default_engine):
+    """The reference a user trusts: Hugging Face's own ``generate`` on the unpatched model in
+    float32. ``default`` in float32 (patched kernels, split products) gives the same tokens; in the
+    dtype it runs in here (bfloat16 on a CPU that computes it natively) it agrees for a prefix only,
+    as any other bfloat16 run would; printed with ``-s``."""
+    from dynaspec.runtime.engine import Engine
+    from dynaspec.runtime.targets import load_target
+
+    reference = load_target("gemma3-270m").to(dtype=torch.float32)  # never patched: no engine built on it
+    assert reference.batch_invariance is None
+    ids = reference.tokenizer(reference.format_prompt("Explain why the sky is blue."))["input_ids"]
+    expected = _hf_greedy(reference, ids, 32)
+    f32 = Engine.from_stack("gemma", overrides={"weights": "dtype", "dtype": "float32"})
+    assert f32.generate(ids, max_new_tokens=32).token_ids == expected
+    ours = default_engine.generate(ids, max_new_tokens=32).token_ids
+    common = next((i for i, (a, b) in enumerate(zip(ours, expected)) if a != b), len(expected))
+    print(f"default in {default_engine.target.dtype}: {common} of 32 tokens equal to unpatched float32 Hugging Face")
+    assert common >= 4  # a narrower dtype may part from float32's text, but not from its first words
+
+
 @CASES
 def test_default_on_its_weights_equals_plain_decoding_on_them(auto_engines, text, new):
     from dynaspec.runtime.q8 import available
