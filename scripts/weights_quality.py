@@ -24,8 +24,8 @@ import torch
 
 
 def load(target_name: str, weights: str, dtype: str):
+    from dynaspec.runtime.numerics import resolve_dtype
     from dynaspec.runtime.quantized import resolve_weights
-    from dynaspec.runtime.target import resolve_dtype
     from dynaspec.runtime.targets import load_target
 
     target = load_target(target_name).to(dtype=resolve_dtype(dtype))

@@ -128,7 +128,7 @@ def test_greedy_token_is_the_padded_heads_argmax_and_certifies_most_steps(monkey
     margin is beyond the float32 error bound, and from the padded product otherwise; either way
     it is the padded product's argmax."""
     from dynaspec.runtime import batch_invariance as bi_mod
-    from dynaspec.runtime.target import _certificate
+    from dynaspec.runtime.numerics import certificate as _certificate
 
     tgt = tiny_target("llama", seed=11)
     tgt.make_batch_invariant()
@@ -170,7 +170,7 @@ def test_greedy_token_is_the_padded_heads_argmax_and_certifies_most_steps(monkey
 def test_auto_dtype_follows_the_kernels_that_will_run(monkeypatch, flags, capability, isa, native):
     """``dtype = "auto"`` is bfloat16 only where the kernels in use compute it natively: the
     CPU's flags, torch's dispatch capability and oneDNN's ISA limit, not the flags alone."""
-    from dynaspec.runtime import target as target_mod
+    from dynaspec.runtime import numerics as target_mod
 
     monkeypatch.setattr(target_mod, "cpu_flags", lambda: flags)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)

@@ -226,7 +226,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         raise ConfigError("--turns later collects on the train split only")
     if args.stage in ("collect", "all"):
         sampling_kind(args.temperature, args.source)  # refused before the target loads
-    from dynaspec.runtime.target import resolve_dtype
+    from dynaspec.runtime.numerics import resolve_dtype
 
     target = load_target(args.target)
     target.to(dtype=resolve_dtype(args.dtype, target.device))

@@ -91,9 +91,9 @@ def build_engines(stacks: Sequence[str], overrides: dict[str, Any] | None,
     ``baseline-<dtype>-<device>`` (``baseline-<target>-<dtype>-<device>`` across targets) when the
     stacks differ), sharing one loaded target per target, dtype and device. Returns the engines,
     baselines first, and each engine's reference baseline."""
+    from dynaspec.runtime.numerics import stack_dtype
     from dynaspec.runtime.registry import default_registry
     from dynaspec.runtime.stacks import resolve_stack
-    from dynaspec.runtime.target import stack_dtype
 
     configs = [resolve_stack(ref, overrides=overrides) for ref in stacks if ref != "baseline"]
     if not configs:

@@ -16,6 +16,7 @@ import attrs
 import torch
 
 from dynaspec.errors import ConfigError, InputError
+from dynaspec.runtime import numerics
 from dynaspec.runtime.config import StackConfig
 from dynaspec.runtime.drafter import Drafter
 from dynaspec.runtime.drafters import DrafterContext, DraftSource, build_drafter, grow_within
@@ -97,21 +98,13 @@ class Engine:
         self.stack = stack
         self.target = target
         self.registry = registry or default_registry()
+        # the numerics are set up here whoever built the target: the guarantee is never skipped
+        numerics.set_up(target, stack)
         self.ctx = BuildContext(
             vocab_size=target.vocab_size, hidden_size=target.hidden_size,
             lm_head_weight=target.lm_head_weight, special_token_ids=target.special_token_ids,
             target_fingerprint=target.fingerprint(), device=target.device,
             tokenizer=target.tokenizer, resolve_artifact=_resolve_artifact)
-        # the numerics are set up here whoever built the target: the guarantee is never skipped
-        from dynaspec.runtime.quantized import resolve_weights
-
-        weights = resolve_weights(stack.weights, target.device, target.auto_weights)
-        if target.batch_invariance is None:
-            target.use_weights(weights)
-        elif target.weights != weights:
-            raise ConfigError(f"stack '{stack.name}' computes its target from weights = \"{weights}\", but the "
-                              f"target given uses \"{target.weights}\": load one target per weights setting")
-        target.make_batch_invariant()
         # "required": the probed kernels, padded where that is what makes them invariant;
         # "observed": the same without padding (a plain step then costs one row, not several)
         self.strict = stack.exact == "required"
@@ -159,21 +152,8 @@ class Engine:
         return self._backends[key]
 
     def _exactness(self) -> tuple[str, str]:
-        """``("guaranteed" | "not guaranteed", reason)`` for greedy output equal to plain decoding
-        (and, sampling, the target's own distribution) with this target on this machine."""
-        if self.source is None:
-            return "guaranteed", "plain decoding"
-        if not self.source.chains_only:
-            return "not guaranteed", ("a tree's rows attend to scattered ancestors, which no plain step lays "
-                                      "out alike")
-        variant = self.target.variant_products(strict=self.strict)
-        if variant:
-            return "not guaranteed", (f"in {str(self.target.dtype).removeprefix('torch.')} on this machine the "
-                                      f"rows of {', '.join(variant)} depend on how many are computed together")
-        kinds = sorted({v for k, v in self.target.batch_invariance.items() if k != "attention"})
-        return "guaranteed", (f"every product probed batch-invariant in "
-                              f"{str(self.target.dtype).removeprefix('torch.')} on this machine "
-                              f"({', '.join(kinds)}); chains attend row by row")
+        """``("guaranteed" | "not guaranteed", reason)`` (:func:`dynaspec.runtime.numerics.verdict`)."""
+        return numerics.verdict(self.target, self.source, strict=self.strict)
 
     def _check_budget_units(self, declared: ShortlisterCapabilities) -> None:
         """A scheduler's budget must be in the shortlister's unit (tokens, or clusters for the
@@ -204,9 +184,9 @@ class Engine:
         """Resolve a stack (built-in name, plugin name or TOML file), load its target (unless given)
         and build its drafter and components (``drafter``: a drafter model already loaded;
         ``models``: drafter models shared with other engines)."""
-        from dynaspec.runtime.quantized import resolve_weights
+        from dynaspec.runtime.numerics import stack_dtype
         from dynaspec.runtime.stacks import resolve_stack
-        from dynaspec.runtime.target import check_device, stack_dtype
+        from dynaspec.runtime.target import check_device
         from dynaspec.runtime.targets import load_target
 
         registry = registry or default_registry()
@@ -215,7 +195,6 @@ class Engine:
         dtype, device = stack_dtype(config), torch.device(config.device)
         if target is None:
             target = load_target(config.target, registry=registry).to(dtype=dtype, device=device)
-            target.use_weights(resolve_weights(config.weights, device, target.auto_weights)).make_batch_invariant()
         elif target.dtype != dtype or target.device.type != device.type:
             raise ConfigError(f"stack '{config.name}' runs its target in {config.dtype} on "
                               f"{config.device}, but the target given is {target.dtype} on "
@@ -231,8 +210,8 @@ class Engine:
         """Engines for several stacks that share what they can: one loaded target per target, dtype
         and device, and one drafter per drafter artifact on each. ``target`` (optional, already
         loaded) serves the stacks whose dtype and device it has."""
+        from dynaspec.runtime.numerics import stack_dtype
         from dynaspec.runtime.stacks import resolve_stack
-        from dynaspec.runtime.target import stack_dtype
 
         registry = registry or default_registry()
         targets, models, engines = {}, {}, []

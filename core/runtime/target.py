@@ -14,76 +14,16 @@ import torch.nn.functional as F
 
 from dynaspec.errors import ConfigError
 from dynaspec.runtime.kv_buffer import KVBuffer
+from dynaspec.runtime.numerics import (  # noqa: F401 - the dtype helpers' old home
+    DTYPES,
+    HEAD_PROBE_ROWS,
+    cpu_flags,
+    native_bf16,
+    resolve_dtype,
+    stack_dtype,
+)
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-#: row counts the LM head is probed at: every verification of a chain up to depth 8
-HEAD_PROBE_ROWS = tuple(range(2, 10))
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (``/proc/cpuinfo``; none where it is missing)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return set(next((line for line in fh if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
-
-
-#: oneDNN ISA limits (``ONEDNN_MAX_CPU_ISA``) under which its products compute bfloat16 natively
-_ONEDNN_BF16_ISAS = {"AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX512_CORE_AMX",
-                     "AVX512_CORE_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2", "ALL", "DEFAULT", ""}
-
-
-def native_bf16(device: torch.device | str = "cpu") -> bool:
-    """Whether ``device`` computes bfloat16 natively with the kernels that will run (then it is the
-    faster target dtype): on a CPU, the processor has the instructions (``/proc/cpuinfo``), torch
-    dispatches to its AVX-512 kernels (``ATEN_CPU_CAPABILITY`` can lower that) and oneDNN may use
-    them (``ONEDNN_MAX_CPU_ISA`` can lower that). Emulated bfloat16 costs more than float32 and
-    makes a verification's rows far dearer than a plain step's."""
-    import os
-
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    flags = cpu_flags()
-    if "avx512_bf16" not in flags and "amx_bf16" not in flags:
-        return False
-    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-        return False
-    return os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in _ONEDNN_BF16_ISAS
-
-
-def resolve_dtype(name: str, device: torch.device | str = "cpu", *, exact_in_bf16: bool = True) -> torch.dtype:
-    """A ``dtype`` setting as a torch dtype. ``auto`` is bfloat16 where the device computes it
-    natively and ``exact_in_bf16`` (the draft shape verifies bit for bit there), else float32."""
-    if name == "auto":
-        return torch.bfloat16 if exact_in_bf16 and native_bf16(device) else torch.float32
-    if name not in DTYPES:
-        raise ConfigError(f"dtype {name!r} is not supported: one of auto, {', '.join(sorted(DTYPES))}")
-    return DTYPES[name]
-
-
-def _certificate(target: "TargetModel", verdict: str) -> float | None:
-    """The factor of ``|h|`` above which a one-row head product's top-2 margin certifies its argmax
-    as the padded product's (:meth:`TargetModel.greedy_token`), or None where that does not apply:
-    a head that does not pad, a dtype other than float32 (or float32 products allowed to round
-    through a narrower type), a bias or a soft-cap (whose saturation can tie logits)."""
-    import os
-
-    if (not verdict.startswith("pad") or target.dtype != torch.float32 or target.lm_head_bias is not None
-            or target.softcap or torch.get_float32_matmul_precision() != "highest"
-            or os.environ.get("MKL_BLAS_COMPUTE_MODE")):
-        return None
-    k = target.lm_head_weight.shape[1]
-    unit = 2.0 ** -24
-    gamma = k * unit / (1 - k * unit)
-    largest = float(target.lm_head_weight.double().norm(dim=1).max())
-    # two kernels differ by at most 2 gamma (|w_top| + |w_j|) |h| <= 4 gamma max|w| |h|; twice that
-    # again as a margin for the norms' own rounding
-    return 8 * gamma * largest
-
 
 def check_device(device: str) -> None:
     """Refuse a device this torch cannot use, before any model loads."""
@@ -94,11 +34,6 @@ def check_device(device: str) -> None:
             raise ConfigError(f"device '{device}': {why}; use device = \"cpu\" (--device cpu)")
         if kind.index is not None and kind.index >= torch.cuda.device_count():
             raise ConfigError(f"device '{device}': only {torch.cuda.device_count()} CUDA device(s) here")
-
-
-def stack_dtype(stack) -> torch.dtype:
-    """The dtype a :class:`~dynaspec.runtime.config.StackConfig` runs its target in."""
-    return resolve_dtype(stack.dtype, stack.device, exact_in_bf16=stack.exact_in_bfloat16)
 
 
 def _layer_base():
@@ -285,74 +220,12 @@ class TargetModel:
         return self
 
     def make_batch_invariant(self) -> dict[str, str]:
-        """Patch the target's linear layers whose kernels round differently for different row
-        counts (:mod:`dynaspec.runtime.batch_invariance`), so a verified row equals the plain step's row;
-        returns and keeps (``batch_invariance``) the verdict per layer shape. Call it after the
-        final :meth:`to` (and :meth:`use_weights`); it runs once.
+        """Give every product its batch-invariant kernel, once, and return the verdict per product
+        (:func:`dynaspec.runtime.numerics.probe`). Call it after the final :meth:`to` and
+        :meth:`use_weights`; an :class:`~dynaspec.runtime.engine.Engine` always does."""
+        from dynaspec.runtime import numerics
 
-        Where no K-split helps, the lean forward's products and its LM head pad plain steps to the
-        fewest rows whose kernel every larger row count shares (exact, but a plain step then costs
-        a product of several rows); the Hugging Face modules' products stay ``variant`` there.
-        These are the *strict* kernels; the *relaxed* ones (``strict=False`` in :meth:`forward`
-        and :meth:`logits`, for stacks with ``exact = "observed"``) are the same but the stock
-        kernel where the strict one pads. With quantised weights (:meth:`use_weights`) the lean
-        forward and the head use those kernels, probed the same way
-        (:func:`dynaspec.runtime.quantized.quantized_linear`)."""
-        if self.batch_invariance is None:
-            from dynaspec.runtime.batch_invariance import (
-                install_rowwise_attention,
-                invariant_linear,
-                make_batch_invariant,
-            )
-            from dynaspec.runtime.quantized import quantized_linear
-
-            lean = self.forward_kind == "lean"
-            body_kind = {"dtype": None, "float16": "float16", "int8-head": "float16", "int8": "int8"}[self.weights]
-            head_kind = {"dtype": None, "float16": "float16", "int8-head": "int8-dynamic", "int8": "int8"}[self.weights]
-            report = make_batch_invariant(self.decoder)
-            head_name = "lm_head " + "x".join(map(str, self.lm_head_weight.shape))
-            if head_kind is None:
-                verdict, head = invariant_linear(self.lm_head_weight, self.lm_head_bias, rows=HEAD_PROBE_ROWS,
-                                                 pad=lean)
-                # the probed kernel, also where it is stock: the float32 head otherwise takes the tall
-                # product for several rows, a kernel of its own that the probe did not see
-                self._head = head if head is not None or verdict != "stock" else functools.partial(
-                    F.linear, weight=self.lm_head_weight, bias=self.lm_head_bias)
-                self._relaxed_head = None if verdict.startswith("pad") else self._head
-                self._certify = _certificate(self, verdict)
-            else:
-                verdict, self._head, self._relaxed_head = quantized_linear(
-                    head_kind, self.lm_head_weight, self.lm_head_bias, rows=max(HEAD_PROBE_ROWS))
-                self._certify = None
-            report[head_name] = verdict
-            self._rowwise = install_rowwise_attention(self.model)
-            report["attention"] = "row-wise for chains" if self._rowwise else "variant"
-            if lean:
-                # the lean forward's fused products have shapes of their own: probed as well; it
-                # attends a chain row by row by construction
-                from dynaspec.runtime.lean import stock_linear
-
-                def linear(weight, bias):
-                    shape = "x".join(map(str, weight.shape)) + " " + str(weight.dtype).removeprefix("torch.")
-                    if body_kind is not None:
-                        verdict, strict, relaxed = quantized_linear(body_kind, weight, bias)
-                        report[f"lean {shape}"] = verdict
-                        return strict, relaxed, relaxed
-                    verdict, fn = invariant_linear(weight, bias, pad=True)
-                    report[f"lean {shape}"] = verdict
-                    stock = stock_linear(weight, bias)
-                    return fn or stock, stock if verdict.startswith("pad") else fn or stock, stock
-
-                self._lean = self._build_lean(linear, c_norm=self.weights == "int8")
-                report["attention"] = "row-wise for chains"
-            from dynaspec.runtime import batch_invariance, quantized
-
-            # the rows one pass of several sequences computes: what the probe of its kernels covered
-            # (the quantised kernels' probe: every count up to its most; the others': the counts listed)
-            self.max_pass_rows = quantized.PROBE_ROWS if body_kind is not None else max(batch_invariance.PROBE_ROWS)
-            self.pass_rows = None if body_kind is not None else frozenset((1, *batch_invariance.PROBE_ROWS))
-            self.batch_invariance = report
-        return self.batch_invariance
+        return numerics.probe(self)
 
     def _build_lean(self, linear=None, c_norm: bool = False):
         from dynaspec.runtime.lean import LeanDecoder, stock_linears

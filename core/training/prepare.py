@@ -128,7 +128,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
     """Run the stages of ``dynaspec prepare`` for ``target_ref`` into ``out``; returns the manifest.
     ``init``: a drafter (built-in name or folder) the drafter stage starts from instead of random
     weights; ``drafter``: one used as it is, with no training."""
-    from dynaspec.runtime.target import resolve_dtype
+    from dynaspec.runtime.numerics import resolve_dtype
     from dynaspec.runtime.targets import load_target, resolve_artifact
     from dynaspec.training import collect as collect_mod
     from dynaspec.training import distributed
