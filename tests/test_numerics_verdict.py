@@ -95,6 +95,23 @@ def test_required_refuses_what_is_not_guaranteed_and_observed_reports_it(monkeyp
         stack_from_mapping({**chain, "exact": "maybe"})
 
 
+def test_chains_longer_than_the_probe_covers_are_not_guaranteed():
+    """Every row count a verification can hold is probed: a chain of depth d verifies d + 1 rows,
+    and a depth beyond the probed counts is refused under "required", reported under "observed"."""
+    from dynaspec.runtime import numerics
+
+    registry, drafter = builtin_registry(), trained_drafter("llama")
+    deepest = make_engine("llama", drafter, registry, draft={"mode": "chain", "depth": 8})
+    probed = deepest.target.probed_rows
+    assert probed == numerics._contiguous(numerics.HEAD_PROBE_ROWS) == 9  # 1 to 9 rows: depth 8
+    assert all(n in bi.PROBE_ROWS for n in range(2, 17))
+    assert deepest.exactness == "guaranteed", deepest.exactness_reason
+    with pytest.raises(ConfigError, match="verifies 10 rows, and the probe covers 1 to 9"):
+        make_engine("llama", drafter, registry, draft={"mode": "chain", "depth": 9}, exact="required")
+    deeper = make_engine("llama", drafter, registry, draft={"mode": "chain", "depth": 9}, exact="observed")
+    assert deeper.exactness == "not guaranteed" and "draft.depth <= 8" in deeper.exactness_reason
+
+
 def test_eval_reports_exactness_per_stack():
     from dynaspec.evaluation.evaluate import exactness_of
 

@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: batch sizes probed (a chain of 5 verifies 6 rows; trees up to about 60)
-PROBE_ROWS = (2, 3, 4, 5, 6, 8, 12, 16, 32, 64)
+#: batch sizes probed: every count up to 16 (a chain of depth d verifies d + 1 rows; a server's
+#: pass holds several requests' rows), then a few larger ones (trees up to about 60)
+PROBE_ROWS = (*range(2, 17), 24, 32, 48, 64)
 #: K-block counts tried, fewest first (each block is one more product call)
 SPLITS = (2, 4, 8, 16, 32)
 MIN_BLOCK = 4  # narrower K-blocks are not worth a product call each
@@ -123,7 +124,7 @@ def verdicts_file() -> str:
     import os
 
     return os.environ.get("DYNASPEC_VERDICTS_FILE") or VERDICTS_FILE
-PROBE_VERSION = 2  # bump when the probe or SPLITS change: remembered verdicts are then re-probed
+PROBE_VERSION = 3  # bump when the probe or SPLITS change: remembered verdicts are then re-probed
 
 
 def processor() -> tuple[str, str]:

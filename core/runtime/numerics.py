@@ -165,6 +165,10 @@ def probe(target) -> dict[str, str]:
         # (the quantised kernels' probe: every count up to its most; the others': the counts listed)
         target.max_pass_rows = quantized.PROBE_ROWS if body_kind is not None else max(batch_invariance.PROBE_ROWS)
         target.pass_rows = None if body_kind is not None else frozenset((1, *batch_invariance.PROBE_ROWS))
+        # every row count from 1 to this one is probed for the body and the head: the longest chain
+        # (plus its root) a verification can hold under the guarantee
+        body_rows = target.max_pass_rows if body_kind is not None else _contiguous(batch_invariance.PROBE_ROWS)
+        target.probed_rows = min(body_rows, _contiguous(HEAD_PROBE_ROWS))
         target.batch_invariance = report
     return target.batch_invariance
 
@@ -192,6 +196,10 @@ def verdict(target, source, *, strict: bool) -> tuple[str, str]:
     if not source.chains_only:
         return "not guaranteed", ("a tree's rows attend to scattered ancestors, which no plain step lays "
                                   "out alike")
+    rows = source.max_depth + 1
+    if rows > target.probed_rows:
+        return "not guaranteed", (f"a chain of {source.max_depth} drafted tokens verifies {rows} rows, and the "
+                                  f"probe covers 1 to {target.probed_rows}: draft.depth <= {target.probed_rows - 1}")
     variant = target.variant_products(strict=strict)
     dtype = str(target.dtype).removeprefix("torch.")
     if variant:
@@ -200,3 +208,11 @@ def verdict(target, source, *, strict: bool) -> tuple[str, str]:
     kinds = sorted({v for k, v in target.batch_invariance.items() if k != "attention"})
     return "guaranteed", (f"every product probed batch-invariant in {dtype} on this machine ({', '.join(kinds)}); "
                           "chains attend row by row")
+
+
+def _contiguous(rows) -> int:
+    """The largest n such that every count from 1 to n is among ``rows`` (1 always is)."""
+    n = 1
+    while n + 1 in set(rows):
+        n += 1
+    return n

@@ -153,6 +153,8 @@ class TargetModel:
         self.pass_rows: frozenset[int] | None = None
         #: the most rows one shared head product computes: the row counts the head's probe covers
         self.max_head_rows = max(HEAD_PROBE_ROWS)
+        #: every row count from 1 to this one is probed for the body and the head (set by the probe)
+        self.probed_rows = 1
         self._head = None  # the probed (batch-invariant) LM-head product, once probed
         self._relaxed_head = None  # the same, unless it pads (then the stock product)
         self._certify: float | None = None  # see greedy_token
