@@ -22,7 +22,9 @@ def register(sub) -> None:
                      help="requests that may wait for the engine; beyond, 503 with Retry-After (default: %(default)s)")
     srv.add_argument("--max-batch", type=positive_int, default=8, metavar="N",
                      help="requests generated together, their plain steps and verifications in one pass of "
-                     "the target; more wait in the queue (default: %(default)s; 1: one request at a time)")
+                     "the target; more wait in the queue. With several, each drafts as deep as the measured cost "
+                     "of a cycle's rows and its acceptance so far make pay, down to plain steps "
+                     "(default: %(default)s; 1: one request at a time)")
     srv.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
                      help="on SIGTERM, how long running requests may finish before they are cancelled "
                      "(default: %(default)s)")
