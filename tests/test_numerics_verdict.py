@@ -112,6 +112,20 @@ def test_chains_longer_than_the_probe_covers_are_not_guaranteed():
     assert deeper.exactness == "not guaranteed" and "draft.depth <= 8" in deeper.exactness_reason
 
 
+def test_the_verdict_names_only_the_products_in_use():
+    """A lean target computes through its fused products: a Hugging Face module's product the
+    probe found variant neither breaks the guarantee nor shows in its reason."""
+    tgt = tiny_target("llama", seed=9)
+    tgt.make_batch_invariant()
+    assert tgt.forward_kind == "lean"
+    tgt.batch_invariance = {**tgt.batch_invariance, "96x32 float32": "variant"}
+    chain = {"name": "c", "target": "tiny-llama", "drafter": "in-memory", "draft": {"mode": "chain", "depth": 3}}
+    engine = Engine(stack_from_mapping(chain), tgt, trained_drafter("llama"), registry=builtin_registry())
+    assert engine.exactness == "guaranteed"
+    kinds = engine.exactness_reason.split("(")[1].split(")")[0].split(", ")  # "... machine (stock, pad 16); ..."
+    assert kinds and "variant" not in kinds
+
+
 def test_eval_reports_exactness_per_stack():
     from dynaspec.evaluation.evaluate import exactness_of
 
