@@ -44,3 +44,16 @@ def test_a_write_to_a_verified_file_is_caught(tmp_path, monkeypatch):
     # a stamp that does not match the file (copied from elsewhere, or stale) is not trusted either
     (folder / cache.VERIFIED).write_text(json.dumps({"weights.bin": [1, 2, 3, 4, "00000000"]}))
     assert cache.folder_problem(folder, 1, required="weights.bin") == "weights.bin: content check failed"
+
+
+def test_json_caches_persist_at_an_absolute_path(tmp_path, monkeypatch):
+    """``DYNASPEC_VERDICTS_FILE`` is a path: the probe's verdicts written there are read back (a
+    failed write would only be skipped, and every load would probe again)."""
+    from dynaspec.runtime.batch_invariance import verdicts_file
+    from dynaspec.runtime.cache import read_json, update_json
+
+    target = tmp_path / "sub" / "verdicts.json"
+    monkeypatch.setenv("DYNASPEC_VERDICTS_FILE", str(target))
+    update_json(verdicts_file(), {"a": "stock"})
+    update_json(verdicts_file(), {"b": "pad 2"})
+    assert target.exists() and read_json(verdicts_file()) == {"a": "stock", "b": "pad 2"}
