@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import builtin_registry, make_engine, trained_drafter
+from conftest import builtin_registry, interleaved, make_engine, trained_drafter
 from dynaspec.runtime.drafters import grow_within
 from dynaspec.runtime.gate import DepthControl
-from dynaspec.runtime.target import TargetPass
 from dynaspec.runtime.tree import DraftTree
 from dynaspec.serving import planner as planner_mod
 from dynaspec.serving.planner import CycleCosts, DepthPlanner, grant
@@ -136,24 +135,7 @@ def _run_with_limits(engine, prompts, lengths, pick):
     """Generations interleaved as the server runs them, ``pick(cycle, i)`` setting each one's limit
     before it drafts; every pass is checked against its limit."""
     controls = [DepthControl() for _ in prompts]
-    gens = [engine.stream_passes(p, max_new_tokens=n, control=c) for p, n, c in zip(prompts, lengths, controls)]
-    texts = [""] * len(prompts)
-    active, cycle = list(range(len(prompts))), 0
-    while active:
-        passes = []
-        for i in list(active):
-            controls[i].limit = pick(cycle, i)
-            for item in gens[i]:
-                if isinstance(item, TargetPass):
-                    if controls[i].limit is not None:
-                        assert len(item.ids) <= controls[i].limit + 1
-                    passes.append(item)
-                    break
-                texts[i] += item
-            else:
-                active.remove(i)
-        engine.target.forward_many(passes, strict=engine.strict)
-        cycle += 1
+    texts, _, _ = interleaved(engine, prompts, lengths, controls=controls, limits=pick)
     return texts, controls
 
 

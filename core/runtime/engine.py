@@ -495,9 +495,10 @@ class Engine:
                             logits.prefill(step.head, step.logits)
                         path, bonus = verifier.verify(tree, logits, params, generator)
                         stats.verify_products += logits.products
-                        stats.record_acceptance(max(tree.depths) + 1, len(path))
+                        reached = max(tree.depths) + 1
+                        stats.record_acceptance(reached, len(path))
                         if control is not None:
-                            control.record(max(tree.depths) + 1, len(path))
+                            control.record(reached, len(path))
                     else:  # plain decoding's own head (the certified greedy token)
                         path, bonus = [], self._first_token(hidden, verifier, params, generator, step.logits)
                         stats.plain_cycles += 1

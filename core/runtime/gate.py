@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import attrs
 
+from dynaspec.runtime.stats import count_positions
+
 #: weight of the newest cycle in the exponential averages
 ALPHA = 0.5
 #: drafted cycles seen in a generation before the gate may stop drafting
@@ -106,7 +108,4 @@ class DepthControl:
 
     def record(self, depth: int, accepted: int) -> None:
         """A drafted cycle reached ``depth`` positions and ``accepted`` of them were accepted."""
-        for counts, upto in ((self.drafted, depth), (self.accepted, accepted)):
-            counts.extend([0] * (upto - len(counts)))
-            for p in range(upto):
-                counts[p] += 1
+        count_positions(self.drafted, self.accepted, depth, accepted)

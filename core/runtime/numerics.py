@@ -214,7 +214,7 @@ def verdict(target, source, *, strict: bool) -> tuple[str, str]:
 
 def _contiguous(rows) -> int:
     """The largest n such that every count from 1 to n is among ``rows`` (1 always is)."""
-    n = 1
-    while n + 1 in set(rows):
+    rows, n = set(rows), 1
+    while n + 1 in rows:
         n += 1
     return n

@@ -55,11 +55,7 @@ class GenerationStats:
 
     def record_acceptance(self, depth: int, accepted: int) -> None:
         """One cycle's draft reached ``depth`` positions and ``accepted`` of them were accepted."""
-        for counts, upto in ((self.drafted_at, depth), (self.accepted_at, accepted)):
-            if len(counts) < depth:
-                counts.extend([0] * (depth - len(counts)))
-            for p in range(upto):
-                counts[p] += 1
+        count_positions(self.drafted_at, self.accepted_at, depth, accepted)
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -149,3 +145,13 @@ class GenerationStats:
 def format_acceptance(values) -> str:
     """Per-position acceptance as ``0.81 0.62 0.44`` (``-``: nothing drafted)."""
     return " ".join(f"{v:.2f}" for v in values) or "-"
+
+
+def count_positions(drafted: list[int], accepted: list[int], depth: int, upto: int) -> None:
+    """Add one drafted cycle to per-position counts: it reached positions 1 to ``depth`` and was
+    accepted at positions 1 to ``upto`` (both lists grow to ``depth`` as needed)."""
+    for counts, n in ((drafted, depth), (accepted, upto)):
+        if len(counts) < depth:
+            counts.extend([0] * (depth - len(counts)))
+        for p in range(n):
+            counts[p] += 1

@@ -14,14 +14,7 @@ import torch.nn.functional as F
 
 from dynaspec.errors import ConfigError
 from dynaspec.runtime.kv_buffer import KVBuffer
-from dynaspec.runtime.numerics import (  # noqa: F401 - the dtype helpers' old home
-    DTYPES,
-    HEAD_PROBE_ROWS,
-    cpu_flags,
-    native_bf16,
-    resolve_dtype,
-    stack_dtype,
-)
+from dynaspec.runtime.numerics import DTYPES, HEAD_PROBE_ROWS
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 

@@ -60,19 +60,7 @@ class DraftTree:
         set is closed under ancestors.
         """
         ranked = sorted(range(1, len(self)), key=lambda i: (-self.scores[i], self.depths[i], i))
-        keep = sorted([0, *ranked[:total]], key=lambda i: (self.depths[i], i))
-        remap = {old: new for new, old in enumerate(keep)}
-        out = DraftTree(tokens=[self.tokens[i] for i in keep],
-                        parents=[remap.get(self.parents[i], -1) for i in keep],
-                        depths=[self.depths[i] for i in keep],
-                        scores=[self.scores[i] for i in keep])
-        for old in keep:
-            kids = [remap[c] for c in self.children.get(old, []) if c in remap]
-            if kids:
-                out.children[remap[old]] = kids
-            if old in self.draft_probs:
-                out.draft_probs[remap[old]] = self.draft_probs[old]
-        return out
+        return self._subtree(sorted([0, *ranked[:total]], key=lambda i: (self.depths[i], i)), leaf_probs=True)
 
     def within(self, positions: int) -> "DraftTree":
         """The tree cut to its first ``positions`` draft positions (nodes deeper are dropped; a
@@ -81,7 +69,11 @@ class DraftTree:
             raise ValueError(f"positions must be >= 0, got {positions}")
         if max(self.depths) < positions:
             return self
-        keep = [i for i in range(len(self)) if self.depths[i] < positions]
+        return self._subtree([i for i in range(len(self)) if self.depths[i] < positions], leaf_probs=False)
+
+    def _subtree(self, keep: list[int], *, leaf_probs: bool) -> "DraftTree":
+        """The nodes ``keep`` (the root first, parents before children, closed under ancestors),
+        renumbered; ``leaf_probs``: a kept node left without children keeps its draft distribution."""
         remap = {old: new for new, old in enumerate(keep)}
         out = DraftTree(tokens=[self.tokens[i] for i in keep],
                         parents=[remap.get(self.parents[i], -1) for i in keep],
@@ -91,8 +83,8 @@ class DraftTree:
             kids = [remap[c] for c in self.children.get(old, []) if c in remap]
             if kids:
                 out.children[remap[old]] = kids
-                if old in self.draft_probs:
-                    out.draft_probs[remap[old]] = self.draft_probs[old]
+            if old in self.draft_probs and (kids or leaf_probs):
+                out.draft_probs[remap[old]] = self.draft_probs[old]
         return out
 
     def attention_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
