@@ -205,9 +205,7 @@ def verdict(target, source, *, strict: bool) -> tuple[str, str]:
     if variant:
         return "not guaranteed", (f"in {dtype} on this machine the rows of {', '.join(variant)} depend on how "
                                   "many are computed together")
-    lean = target.forward_kind == "lean"  # the products in use: the lean forward's, or the modules'
-    kinds = sorted({v for k, v in target.batch_invariance.items()
-                    if k.startswith("lm_head") or (k != "attention" and k.startswith("lean ") == lean)})
+    kinds = sorted({v for k, v in target.products_in_use().items() if k != "attention"})
     return "guaranteed", (f"every product probed batch-invariant in {dtype} on this machine ({', '.join(kinds)}); "
                           "chains attend row by row")
 

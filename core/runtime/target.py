@@ -246,10 +246,15 @@ class TargetModel:
         """The products (and attention) of the forward in use whose rows depend on how many rows
         are computed together, so that a verification may round otherwise than a plain step: those
         the probe found variant, and (``strict=False``, the relaxed kernels) those it padded."""
-        lean = self.forward_kind == "lean"
         bad = ("variant",) if strict else ("variant", "pad")
-        return [name for name, verdict in (self.batch_invariance or {}).items() if verdict.startswith(bad) and
-                (name.startswith(("lm_head", "attention")) or name.startswith("lean ") == lean)]
+        return [name for name, verdict in self.products_in_use().items() if verdict.startswith(bad)]
+
+    def products_in_use(self) -> dict[str, str]:
+        """The probe's verdicts of the products the forward in use computes (the lean forward's
+        fused products, or the Hugging Face modules'), the LM head and attention."""
+        lean = self.forward_kind == "lean"
+        return {name: verdict for name, verdict in (self.batch_invariance or {}).items()
+                if name.startswith(("lm_head", "attention")) or name.startswith("lean ") == lean}
 
     # -- properties ------------------------------------------------------------------------------
     @property
