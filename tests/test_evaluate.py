@@ -132,3 +132,23 @@ def test_repeat_fraction_counts_output_4grams_seen_before():
     loop = [7, 8, 9] * 10
     assert repeat_fraction([1], loop) > 0.8 and is_degenerate(repeat_fraction([1], loop))
     assert repeat_fraction([1, 2], []) == 0.0 and not is_degenerate(0.49)
+
+
+def test_each_weights_setting_gets_its_own_baseline(tiny_spec_stack, tmp_path, monkeypatch):
+    """A stack is exact against plain decoding on its own weights: `--weights` (an override of every
+    stack) reaches the baseline too, and stacks on different weights get a baseline each."""
+    engines, reference_of = ev.build_engines([str(tiny_spec_stack)], {"weights": "float16"})
+    assert reference_of == {"baseline": "baseline", "spec": "baseline"}
+    assert engines["baseline"].target.weights == engines["spec"].target.weights == "float16"
+    other = tmp_path / "f16.toml"
+    other.write_text(f'name = "spec-f16"\nbase = "{tiny_spec_stack}"\nweights = "float16"\n')
+    engines, reference_of = ev.build_engines([str(tiny_spec_stack), str(other)], None)
+    assert reference_of == {"baseline-float32-cpu-auto": "baseline-float32-cpu-auto",
+                            "baseline-float32-cpu-float16": "baseline-float32-cpu-float16",
+                            "spec": "baseline-float32-cpu-auto", "spec-f16": "baseline-float32-cpu-float16"}
+    assert engines["baseline-float32-cpu-float16"].target.weights == "float16"
+    assert engines["baseline-float32-cpu-auto"].target is engines["spec"].target
+    items = [{"id": "a", "text": "Hello", "slice": "english"}]
+    monkeypatch.setattr(ev, "dev_protocol_prompts", lambda n, max_chars: items[:n])
+    report = ev.evaluate([str(tiny_spec_stack), str(other)], prompts=1, max_new_tokens=6, progress=False)
+    assert report["stacks"]["spec-f16"]["overall"]["exact"] and report["stacks"]["spec"]["overall"]["exact"]

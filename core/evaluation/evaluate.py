@@ -87,36 +87,42 @@ def evaluate(stacks: Sequence[str], *, prompts: int = 40, max_new_tokens: int = 
 def build_engines(stacks: Sequence[str], overrides: dict[str, Any] | None,
                   target=None) -> tuple[dict[str, Engine], dict[str, str]]:
     """Engines for ``stacks`` and for the plain-decoding baseline each is measured against: one
-    baseline per target, dtype and device among the stacks (named ``baseline``, or
-    ``baseline-<dtype>-<device>`` (``baseline-<target>-<dtype>-<device>`` across targets) when the
-    stacks differ), sharing one loaded target per target, dtype and device. Returns the engines,
-    baselines first, and each engine's reference baseline."""
+    baseline per target, dtype, device and weights setting among the stacks (named ``baseline``,
+    or ``baseline-<dtype>-<device>`` (``baseline-<target>-<dtype>-<device>`` across targets, with
+    the weights and the exactness setting added where two would otherwise share a name) when the
+    stacks differ), sharing one loaded target per target, dtype, device and weights. Returns the
+    engines, baselines first, and each engine's reference baseline."""
     from dynaspec.runtime.numerics import stack_dtype
     from dynaspec.runtime.registry import default_registry
     from dynaspec.runtime.stacks import resolve_stack
 
     configs = [resolve_stack(ref, overrides=overrides) for ref in stacks if ref != "baseline"]
     if not configs:
-        configs = [resolve_stack("baseline")]
-    # one plain decoding per target, dtype, device and exactness setting: an "observed" stack runs
-    # the relaxed kernels, so its own plain decoding does too
-    kind_of = {c.name: (c.target, str(stack_dtype(c)).removeprefix("torch."), c.device, c.exact)
+        configs = [resolve_stack("baseline", overrides=overrides)]
+    # one plain decoding per target, dtype, device, weights and exactness setting: a stack is
+    # exact against plain decoding on its own weights, and an "observed" stack runs the relaxed
+    # kernels, so its own plain decoding does too
+    kind_of = {c.name: (c.target, str(stack_dtype(c)).removeprefix("torch."), c.device, c.weights, c.exact)
                for c in configs}
     kinds = sorted(set(kind_of.values()))
     several_targets = len({k[0] for k in kinds}) > 1
-    placements = [k[:3] for k in kinds]
 
-    def baseline_name(kind: tuple[str, str, str, str]) -> str:
+    def baseline_name(kind: tuple[str, str, str, str, str]) -> str:
         if len(kinds) == 1:
             return "baseline"
-        parts = [Path(kind[0]).name] if several_targets else []
-        # the exactness setting only where two baselines would otherwise share a name
-        return "-".join(["baseline", *parts, kind[1], kind[2], *([kind[3]] if placements.count(kind[:3]) > 1 else [])])
+        parts = [*([Path(kind[0]).name] if several_targets else []), kind[1], kind[2]]
+        # the weights and the exactness setting only where two baselines would otherwise share a name
+        same_place = [k for k in kinds if k[:3] == kind[:3]]
+        if len({k[3] for k in same_place}) > 1:
+            parts.append(kind[3])
+        if len({k[4] for k in same_place if k[3] == kind[3]}) > 1:
+            parts.append(kind[4])
+        return "-".join(["baseline", *parts])
 
     names = {kind: baseline_name(kind) for kind in kinds}
     baselines = [resolve_stack("baseline", overrides={"target": target_ref, "dtype": dtype, "device": device,
-                                                      "exact": exact})
-                 for target_ref, dtype, device, exact in kinds]
+                                                      "weights": weights, "exact": exact})
+                 for target_ref, dtype, device, weights, exact in kinds]
     if len(set(c.name for c in configs)) < len(configs):
         raise ConfigError("a stack is listed twice")
     registry = default_registry()
