@@ -9,7 +9,8 @@ numerics probe pads (see ``dynaspec.runtime.batch_invariance``); the times say w
     python scripts/rows_cost.py --target gemma3-270m --dtype float32 --threads 1
 
 ``--kernel float16`` or ``--kernel int8`` times the products of ``weights = "float16"`` and of
-the int8 head instead (``dynaspec.runtime.quantized``), on the same weights.
+the int8 head instead (``dynaspec.runtime.quantized``), on the same weights; with ``--kernel int8``,
+``--mode`` picks how its activations enter the products (``dynaspec.runtime.q8.MODES``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--kernel", default="float", choices=["float", "float16", "int8"],
                         help="float: F.linear in the dtype; float16 / int8: the quantised kernels")
+    parser.add_argument("--mode", choices=["float", "int16", "int8"],
+                        help="with --kernel int8: the activations' precision (default: the kernel's default)")
     args = parser.parse_args(argv)
 
     import torch
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
               "lm head": target.lm_head_weight}
     rows = (1, 2, 3, 4, 6, 8)
     gen = torch.Generator().manual_seed(0)
-    print(f"{target.name}, {args.dtype}, {args.kernel} kernel, {args.threads} thread(s), "
+    print(f"{target.name}, {args.dtype}, {args.kernel} kernel{f' ({args.mode})' if args.mode else ''}, {args.threads} thread(s), "
           f"{torch.backends.cpu.get_cpu_capability()}")
     print("| product | shape | " + " | ".join(f"{r} row{'s' if r > 1 else ''}, ms" for r in rows)
           + " | row counts that agree (1..16) |")
@@ -54,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
             x = torch.randn(16, weight.shape[1], generator=gen).to(weight.dtype)
             if args.kernel == "float":
                 product = functools.partial(F.linear, weight=weight)
+            elif args.kernel == "int8" and args.mode:
+                from dynaspec.runtime.q8 import Int8WeightLinear
+
+                product = Int8WeightLinear(weight, mode=args.mode)
             else:
                 from dynaspec.runtime.quantized import make_kernel
 

@@ -69,14 +69,15 @@ def test_product_equals_the_dequantised_weights_product(shape, dtype, level, mod
     ref = torch.nn.functional.linear(x.double(), kernel.quantised_weight().double(), bias.double())
     got = kernel(x)
     assert got.dtype == dtype and got.shape == (13, shape[0])
-    # float32 sums over K terms (int16: each input within half a step of 1/32767 of its row's
-    # largest magnitude), then (bfloat16) one rounding of the output
-    rel = (2.0 ** -7 if dtype == torch.bfloat16 else 1e-5) + (2.0 ** -15 if mode == "int16" else 0.0)
+    # float32 sums over K terms, then (bfloat16) one rounding of the output; int16 and int8: each
+    # input within half a quantisation step (1/32767 or 1/127 of its row's largest magnitude)
+    rel = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5
     wabs = kernel.quantised_weight().double().abs()
-    scale = ref.abs() + x.double().abs() @ wabs.T
-    if mode == "int16":  # the quantisation step of each input row, times the weights' magnitudes
-        scale = scale + x.double().abs().amax(dim=1, keepdim=True) * wabs.sum(dim=1)[None, :]
-    assert ((got.double() - ref).abs() <= rel * scale + 1e-30).all()
+    bound = rel * (ref.abs() + x.double().abs() @ wabs.T)
+    half_step = {"int16": 0.5 / 32767, "int8": 0.5 / 127}.get(mode)
+    if half_step:  # the quantisation step of each input row, times the weights' magnitudes
+        bound = bound + 1.0001 * half_step * x.double().abs().amax(dim=1, keepdim=True) * wabs.sum(dim=1)[None, :]
+    assert ((got.double() - ref).abs() <= bound + 1e-30).all()
     # and the dequantised weights are within half a step of the weights
     step = kernel.scale[:, None] / 2
     assert ((kernel.quantised_weight() - weight.to(dtype).float()).abs() <= step * 1.0001).all()
@@ -98,12 +99,46 @@ def test_rows_do_not_depend_on_the_row_count(shape, dtype, level, mode):
     assert qz.probe_quantized(kernel, shape[1], weight.to(dtype)) == "stock"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int8_activations_compute_exactly_what_the_docstring_says(shape, dtype):
+    # row by row in torch: int8 activations (scale = largest magnitude / 127, rounded to even),
+    # the exact integer sum, scaled in float64, rounded to float32, the bias added in float32
+    if "int8" not in q8.modes():
+        pytest.skip("8-bit activations need AVX-512 VNNI")
+    weight, bias, x = _case(*shape, seed=3)
+    x = x.to(dtype)
+    x[1] = 0  # a row of zeros
+    kernel = q8.Int8WeightLinear(weight, bias, mode="int8")
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    # a tensor divided by a tensor: torch computes `127.0 / amax` as a reciprocal times 127
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    xq = torch.round(xf * inv).clamp(-127, 127).double()
+    q = (kernel.quantised_weight() / kernel.scale[:, None]).round().double()
+    dot = xq @ q.T  # exact: integers far below 2^53
+    want = ((dot * (amax / 127.0).double()) * kernel.scale.double()[None, :]).float() + bias
+    assert torch.equal(kernel(x), want.to(dtype))
+
+
+@pytest.mark.skipif("int8" not in q8.modes(), reason="8-bit activations need AVX-512 VNNI")
+def test_int8_sums_never_overflow():
+    # every product at its largest (255 * 127 after the activations' offset) and of one sign: the
+    # int32 sum of an accumulator's 16 lanes would overflow after 1,036 steps without the int64 flushes
+    k = 64 * 1100
+    kernel = q8.Int8WeightLinear(torch.ones(5, k), torch.zeros(5), mode="int8")
+    x = torch.ones(2, k)
+    assert torch.allclose(kernel(x), torch.full((2, 5), float(k)), rtol=1e-6, atol=0)
+    assert torch.allclose(kernel(-x), torch.full((2, 5), -float(k)), rtol=1e-6, atol=0)
+
+
 def test_each_level_is_the_code_path_it_names():
     expected = {"avx2": ("avx2", ("float", "int16")), "scalar": ("scalar", ("float",))}
     for level in LEVELS:
         if level in expected:
             assert (q8.isa(level), q8.modes(level)) == expected[level]
-    assert q8.default_mode() == q8.modes()[-1]
+    # int8 activations are asked for by name: the default keeps activations within float rounding
+    assert q8.default_mode() == ("int16" if "int16" in q8.modes() else "float")
     with pytest.raises(ConfigError, match="does not run here"):
         q8.Int8WeightLinear(torch.randn(4, 8), level="scalar", mode="int16")
     with pytest.raises(OSError, match="DYNASPEC_Q8_ISA"):
@@ -170,11 +205,25 @@ def test_without_a_compiler_the_kernel_says_why_and_auto_falls_back(monkeypatch,
             qz.resolve_weights("int8")
         expected = "int8-head" if qz.fbgemm_available() else "dtype"
         assert qz.resolve_weights("auto", measured="int8") == expected
+        assert qz.resolve_weights("auto", measured="w8a8") == expected
+        with pytest.raises(ConfigError, match="no C compiler"):
+            qz.resolve_weights("w8a8")
     finally:
         monkeypatch.setattr(q8, "_compiler", compiler)
         q8._library_for.cache_clear()
     assert q8.available() is None  # built again (into the temporary cache) once a compiler is back
     assert list((tmp_path / "kernels").glob("q8_linear-*.so"))
+
+
+def test_w8a8_without_avx512_vnni_falls_back_to_int8(monkeypatch):
+    # the AVX2 build has no 8-bit-activation path: auto goes to int8, and asking for w8a8 says why
+    if q8.available(level="avx2") is not None:
+        pytest.skip("the AVX2 build does not run here")
+    monkeypatch.setenv("DYNASPEC_Q8_ISA", "avx2")
+    assert "int8" not in q8.modes()
+    assert qz.resolve_weights("auto", measured="w8a8") == "int8"
+    with pytest.raises(ConfigError, match="AVX-512 VNNI"):
+        qz.resolve_weights("w8a8")
 
 
 def test_a_failed_build_is_reported_with_the_compiler_output(monkeypatch, tmp_path):

@@ -108,9 +108,15 @@ def _int8_runs():
     return available() is None
 
 
+def _w8a8_runs():
+    return q.weights_problem("w8a8") is None
+
+
 WEIGHTS = ["float16", "int8-head",
-           pytest.param("int8", marks=pytest.mark.skipif(not _int8_runs(), reason="the int8 kernel does not build"))]
-KERNELS = {"float16": ("float16", "float16"), "int8-head": ("float16", "int8-dynamic"), "int8": ("int8", "int8")}
+           pytest.param("int8", marks=pytest.mark.skipif(not _int8_runs(), reason="the int8 kernel does not build")),
+           pytest.param("w8a8", marks=pytest.mark.skipif(not _w8a8_runs(), reason="no AVX-512 VNNI here"))]
+KERNELS = {"float16": ("float16", "float16"), "int8-head": ("float16", "int8-dynamic"), "int8": ("int8", "int8"),
+           "w8a8": ("w8a8", "w8a8")}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -127,7 +133,7 @@ def test_speculative_equals_plain_decoding_with_the_same_weights(kind, weights, 
     body, head = KERNELS[weights]
     assert all(v.endswith(f"({body})") for k, v in report.items() if k.startswith("lean "))
     assert report[next(k for k in report if k.startswith("lm_head"))].endswith(f"({head})")
-    if weights == "int8":
+    if weights in ("int8", "w8a8"):
         assert all(v.startswith("stock") for k, v in report.items() if k.startswith(("lean ", "lm_head")))
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 99, (int(torch.randint(2, 10, (1,), generator=gen)),), generator=gen).tolist()
@@ -175,6 +181,7 @@ def test_weight_bytes_follow_the_weights_setting():
     total = sum(p.numel() for p in target.model.parameters())
     head = target.lm_head_weight.numel()
     assert weight_bytes(target) == total * 4  # float32, as loaded
-    for weights, want in (("float16", 2 * total), ("int8-head", 2 * (total - head) + head), ("int8", total)):
+    for weights, want in (("float16", 2 * total), ("int8-head", 2 * (total - head) + head), ("int8", total),
+                         ("w8a8", total)):
         target.weights = weights  # the setting alone decides the count
         assert weight_bytes(target) == want, weights

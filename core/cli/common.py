@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dynaspec.errors import ConfigError, InputError
+from dynaspec.runtime.config import WEIGHTS_CHOICES
 
 
 class Parser(argparse.ArgumentParser):
@@ -87,7 +88,7 @@ def add_placement(parser: argparse.ArgumentParser) -> None:
                         help="the target's dtype (default: the stack's `dtype`; auto = bfloat16 where the "
                         "hardware computes it natively, else float32); the baseline it is compared with "
                         "always runs in the same dtype")
-    parser.add_argument("--weights", default=None, choices=["auto", "dtype", "float16", "int8-head", "int8"],
+    parser.add_argument("--weights", default=None, choices=list(WEIGHTS_CHOICES),
                         help="what the target's decoder and LM head compute from (default: the stack's "
                         "`weights`; auto = the fastest setting measured within 1%% of the target's own "
                         "log-likelihood: int8 for the built-in targets on x86 with a C compiler, int8-head "

@@ -34,7 +34,7 @@ def read_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
 
 
 #: bytes per weight of the decoder body and of the LM head, per quantised weights setting
-_WEIGHT_SIZES = {"float16": (2, 2), "int8-head": (2, 1), "int8": (1, 1)}
+_WEIGHT_SIZES = {"float16": (2, 2), "int8-head": (2, 1), "int8": (1, 1), "w8a8": (1, 1)}
 
 
 def weight_bytes(target) -> int:

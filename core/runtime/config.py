@@ -187,7 +187,9 @@ class StackConfig:
     #: Which weights the target computes from (its lean forward and LM head): "dtype" (the target
     #: dtype's own), "float16" (2 bytes a weight), "int8-head" (float16 body, int8 LM head with
     #: 7-bit activations), "int8" (1 byte a weight everywhere, activations in the dtype; this
-    #: project's kernel, compiled at first use), or "auto": the fastest of these whose quality was
+    #: project's kernel, compiled at first use), "w8a8" (the same weights, each activation row as
+    #: int8 with a scale of its own: the fastest products on a CPU with AVX-512 VNNI, at some
+    #: quality cost, see docs/results.md), or "auto": the fastest of these whose quality was
     #: measured within bounds for this target (its ``auto_weights``; "dtype" where nobody measured,
     #: or where no kernel for it runs).
     #: Speculative output equals plain decoding with the same weights; see dynaspec.runtime.quantized.
@@ -268,7 +270,7 @@ _TOP_FIELDS = {"name", "description", "target", "drafter", "shortlister", "sched
                "verifier", "draft", "decode", "base", "dtype", "device", "exact", "weights"}
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 #: see StackConfig.weights and dynaspec.runtime.quantized
-WEIGHTS_CHOICES = ("auto", "dtype", "float16", "int8-head", "int8")
+WEIGHTS_CHOICES = ("auto", "dtype", "float16", "int8-head", "int8", "w8a8")
 EXACT_CHOICES = ("required", "observed")
 _COMPONENT_FIELDS = {"shortlister", "scheduler", "backend", "verifier", "drafter"}
 

@@ -121,8 +121,10 @@ def probe(target) -> dict[str, str]:
         from dynaspec.runtime.quantized import quantized_linear
 
         lean = target.forward_kind == "lean"
-        body_kind = {"dtype": None, "float16": "float16", "int8-head": "float16", "int8": "int8"}[target.weights]
-        head_kind = {"dtype": None, "float16": "float16", "int8-head": "int8-dynamic", "int8": "int8"}[target.weights]
+        body_kind = {"dtype": None, "float16": "float16", "int8-head": "float16", "int8": "int8",
+                     "w8a8": "w8a8"}[target.weights]
+        head_kind = {"dtype": None, "float16": "float16", "int8-head": "int8-dynamic", "int8": "int8",
+                     "w8a8": "w8a8"}[target.weights]
         report = make_batch_invariant(target.decoder)
         head_name = "lm_head " + "x".join(map(str, target.lm_head_weight.shape))
         if head_kind is None:
@@ -157,7 +159,7 @@ def probe(target) -> dict[str, str]:
                 stock = stock_linear(weight, bias)
                 return fn or stock, stock if verdict.startswith("pad") else fn or stock, stock
 
-            target._lean = target._build_lean(linear, c_norm=target.weights == "int8")
+            target._lean = target._build_lean(linear, c_norm=target.weights in ("int8", "w8a8"))
             report["attention"] = "row-wise for chains"
         from dynaspec.runtime import batch_invariance, quantized
 

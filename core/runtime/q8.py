@@ -89,7 +89,7 @@ def _library_for(level: str) -> ctypes.CDLL:
     lib.q8_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.q8_isa.restype = ctypes.c_char_p
-    for name in ("q8_lanes", "q8_tile_rows", "q8_int16_available", "q8_int16_lanes"):
+    for name in ("q8_lanes", "q8_tile_rows", "q8_int16_available", "q8_int16_lanes", "q8_u8_available", "q8_u8_lanes"):
         getattr(lib, name).restype = ctypes.c_int
     lib.q8_quantize_pack.restype = None
     lib.q8_quantize_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -103,6 +103,10 @@ def _library_for(level: str) -> ctypes.CDLL:
     lib.q8_linear_i16.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                   ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.q8_linear_u8.restype = None
+    lib.q8_linear_u8.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                 ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     lib.q8_rms_norm.restype = None
     lib.q8_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                 ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
@@ -148,19 +152,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, round_
 #: how the kernel multiplies (see kernels/q8_linear.c): ``float`` (activations as float32, FMAs),
 #: ``int16`` (each activation row quantised to int16 with a scale of its own, integer dot products
 #: on AVX-512 VNNI or AVX2: exact integer sums, the weights widened in one instruction per 32 or
-#: 16, and about half the cost of ``float`` for a verification's four to eight rows)
-MODES = ("float", "int16")
+#: 16, and about half the cost of ``float`` for a verification's four to eight rows), ``int8``
+#: (each activation row quantised to int8 with a scale of its own, u8 x s8 dot products on AVX-512
+#: VNNI: exact integer sums, 64 products an instruction with no widening; activations lose more
+#: precision, see docs/results.md for what it costs in quality)
+MODES = ("float", "int16", "int8")
 
 
 def modes(level: str | None = None) -> tuple[str, ...]:
     """The modes the kernel built for ``level`` runs here."""
     lib = _library(level)
-    return ("float", "int16") if lib.q8_int16_available() else ("float",)
+    return ("float",) + (("int16",) if lib.q8_int16_available() else ()) + (("int8",) if lib.q8_u8_available() else ())
 
 
 def default_mode(level: str | None = None) -> str:
-    """The fastest mode here: ``int16`` where AVX2 or AVX-512 VNNI exists, else ``float``."""
-    return modes(level)[-1]
+    """The mode used when none is asked for: ``int16`` where AVX2 or AVX-512 VNNI exists, else
+    ``float`` (both keep activations within rounding of float32; ``int8`` is asked for by name)."""
+    return "int16" if "int16" in modes(level) else "float"
 
 
 class Int8WeightLinear:
@@ -181,10 +189,11 @@ class Int8WeightLinear:
         if self.mode not in modes(level):
             raise ConfigError(f"int8 kernel mode {self.mode!r} does not run here: {', '.join(modes(level))} do")
         self.out_features, self.in_features = weight.shape
-        lanes = self._lib.q8_lanes() if self.mode == "float" else self._lib.q8_int16_lanes()
+        lanes = {"float": self._lib.q8_lanes, "int16": self._lib.q8_int16_lanes, "int8": self._lib.q8_u8_lanes}[
+            self.mode]()
         self._layout = (lanes, self._lib.q8_tile_rows())
-        # int16 mode: K padded with zero weights to a whole number of steps (no tail columns)
-        self._padded_in = -(-self.in_features // lanes) * lanes if self.mode == "int16" else self.in_features
+        # integer modes: K padded with zero weights to a whole number of steps (no tail columns)
+        self._padded_in = -(-self.in_features // lanes) * lanes if self.mode != "float" else self.in_features
         with torch.inference_mode():  # quantised and packed in one pass (see q8_quantize_pack)
             w = weight.detach()
             w = (w if w.dtype in (torch.float32, torch.bfloat16) else w.float()).contiguous()
@@ -195,6 +204,9 @@ class Int8WeightLinear:
             self.scale = torch.empty(n, dtype=torch.float32)
             self._lib.q8_quantize_pack(w.data_ptr(), int(w.dtype == torch.bfloat16), n, self.in_features, kp, lanes,
                                        self.packed.data_ptr(), self.tail.data_ptr(), self.scale.data_ptr())
+            # int8 mode: each row's sum of int8 weights, which takes the activations' offset out
+            self.row_sums = (self.packed.view(-1, kv // lanes, tile_rows, lanes).sum((1, 3), dtype=torch.int32)
+                             .reshape(-1)[:n].contiguous() if self.mode == "int8" else None)
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def quantised_weight(self) -> torch.Tensor:
@@ -217,7 +229,15 @@ class Int8WeightLinear:
         if m:
             bias = None if self.bias is None else self.bias.data_ptr()
             threads = torch.get_num_threads()
-            if self.mode == "int16":
+            if self.mode == "int8":
+                rows = rows.contiguous() if rows.dtype in (torch.float32, torch.bfloat16) else rows.float().contiguous()
+                xq = torch.empty(m, self._padded_in, dtype=torch.uint8)
+                sx = torch.empty(m, dtype=torch.float32)
+                self._lib.q8_linear_u8(rows.data_ptr(), int(rows.dtype == torch.bfloat16), m, self.in_features,
+                                       self._padded_in, self.packed.data_ptr(), self.row_sums.data_ptr(),
+                                       self.scale.data_ptr(), bias, self.out_features, out.data_ptr(), threads,
+                                       xq.data_ptr(), sx.data_ptr())
+            elif self.mode == "int16":
                 rows = rows.contiguous() if rows.dtype in (torch.float32, torch.bfloat16) else rows.float().contiguous()
                 xq = torch.empty(m, self._padded_in, dtype=torch.int16)
                 sx = torch.empty(m, dtype=torch.float32)

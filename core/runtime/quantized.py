@@ -12,6 +12,10 @@ the LM head products that read 2 bytes per weight (``float16``) or 1 (the int8 k
   AVX-512 VNNI, each activation row as int16 with a scale of its own (integer dot products, about
   half the cost for a verification's rows). Batch-invariant by construction. The weights setting
   ``int8`` computes the whole target with it.
+- **w8a8** (the same kernel): each activation row as int8 with a scale of its own too, multiplied
+  by AVX-512 VNNI's u8 x s8 dot products (64 an instruction, no widening): the cheapest products
+  for a verification's rows, at a quality cost that docs/results.md measures. Batch-invariant by
+  construction (integer sums).
 - **int8-dynamic** (FBGEMM's ``linear_dynamic``): weights as int8 with one scale per output row;
   each activation row as 7-bit integers with one scale of its own; sums in int32.
 
@@ -45,7 +49,7 @@ from typing import Callable
 import torch
 
 from dynaspec.errors import ConfigError
-from dynaspec.runtime.config import WEIGHTS_CHOICES  # auto, dtype, float16, int8-head, int8 (see StackConfig)
+from dynaspec.runtime.config import WEIGHTS_CHOICES  # see StackConfig.weights
 
 #: row counts probed for a kernel (a chain up to depth 15 verifies at most 16 rows)
 PROBE_ROWS = 16
@@ -63,10 +67,13 @@ def weights_problem(name: str, device: torch.device | str = "cpu") -> str | None
     """Why the weights setting ``name`` cannot run on ``device`` (None: it can)."""
     if name == "dtype":
         return None
-    if name == "int8":
-        from dynaspec.runtime.q8 import available
+    if name in ("int8", "w8a8"):
+        from dynaspec.runtime.q8 import available, modes
 
-        return available(device)
+        problem = available(device)
+        if problem is None and name == "w8a8" and "int8" not in modes():
+            problem = "8-bit activations need AVX-512 VNNI, which this processor (or DYNASPEC_Q8_ISA) lacks"
+        return problem
     if not fbgemm_available(device):
         return f"FBGEMM's CPU kernels, which this torch build or device ({torch.device(device)}) lacks"
     return None
@@ -75,19 +82,20 @@ def weights_problem(name: str, device: torch.device | str = "cpu") -> str | None
 def resolve_weights(name: str, device: torch.device | str = "cpu", measured: str = "dtype") -> str:
     """A ``weights`` setting as the kind used. ``auto`` is ``measured`` (the target's
     ``auto_weights``: the fastest setting whose quality was measured within bounds for that target,
-    ``dtype`` for a target nobody measured) where it can run; else ``int8-head`` where FBGEMM's
-    kernels exist (the int8 kernel needs a C compiler), else ``dtype``. Other settings are checked
-    against the device."""
+    ``dtype`` for a target nobody measured) where it can run; else (``w8a8`` without AVX-512 VNNI)
+    ``int8`` where the int8 kernel builds, else ``int8-head`` where FBGEMM's kernels exist (the
+    int8 kernel needs a C compiler), else ``dtype``. Other settings are checked against the device."""
     if name not in WEIGHTS_CHOICES:
         raise ConfigError(f"weights {name!r} is not supported: one of {', '.join(WEIGHTS_CHOICES)}")
     if name == "auto":
-        for choice in (measured, "int8-head", "dtype"):
+        fallbacks = ("int8", "int8-head", "dtype") if measured == "w8a8" else ("int8-head", "dtype")
+        for choice in (measured, *fallbacks):
             if weights_problem(choice, device) is None:
                 return choice
     problem = weights_problem(name, device)
-    if name == "int8" and problem is not None:
-        raise ConfigError(f"weights = \"int8\" needs its kernel, which cannot run here: {problem}; "
-                          "use weights = \"int8-head\" or \"dtype\"")
+    if name in ("int8", "w8a8") and problem is not None:
+        raise ConfigError(f"weights = \"{name}\" needs its kernel, which cannot run here: {problem}; "
+                          "use weights = \"int8\", \"int8-head\" or \"dtype\"")
     if problem is not None:
         raise ConfigError(f"weights = \"{name}\" needs FBGEMM's CPU kernels, which this torch build or device "
                           f"({torch.device(device)}) lacks: use weights = \"dtype\"")
@@ -187,8 +195,8 @@ class Int8Linear(_Packed):
 
 def make_kernel(kind: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
     """The product of ``weight`` in ``kind``: "float16", "int8-dynamic" (FBGEMM, 7-bit
-    activations) or "int8" (weight-only, :mod:`dynaspec.runtime.q8`, activations in the weight's
-    dtype)."""
+    activations), "int8" (weight-only, :mod:`dynaspec.runtime.q8`, activations in the weight's
+    dtype) or "w8a8" (the same kernel, each activation row as int8)."""
     if kind == "float16":
         return Float16Linear(weight, bias)
     if kind == "int8-dynamic":
@@ -197,6 +205,10 @@ def make_kernel(kind: str, weight: torch.Tensor, bias: torch.Tensor | None = Non
         from dynaspec.runtime.q8 import Int8WeightLinear
 
         return Int8WeightLinear(weight, bias)
+    if kind == "w8a8":
+        from dynaspec.runtime.q8 import Int8WeightLinear
+
+        return Int8WeightLinear(weight, bias, mode="int8")
     raise ValueError(f"no quantised kernel {kind!r}")
 
 
