@@ -185,3 +185,43 @@ def test_weight_bytes_follow_the_weights_setting():
                          ("w8a8", total)):
         target.weights = weights  # the setting alone decides the count
         assert weight_bytes(target) == want, weights
+
+
+@pytest.mark.skipif(not _int8_runs(), reason="the int8 kernel does not build")
+def test_the_drafter_computes_on_the_targets_kernel():
+    from dynaspec.runtime.q8 import Int8WeightLinear
+
+    drafter = trained_drafter("llama")
+    shared = {}
+    quick = q.drafter_on_kernel(drafter, "int8", shared)
+    assert quick is not drafter and q.drafter_on_kernel(drafter, "int8", shared) is quick  # made once
+    assert q.drafter_on_kernel(drafter, "dtype", shared) is drafter  # float weights: as it is
+    kernels = [m.forward for m in quick.modules() if isinstance(m, torch.nn.Linear)]
+    assert kernels and all(isinstance(k, Int8WeightLinear) for k in kernels)
+    assert not any("forward" in vars(m) for m in drafter.modules())  # the original is untouched
+    d = drafter.cfg.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    emb, feats = torch.randn(1, 5, d, generator=gen), torch.randn(1, 5, d, generator=gen)
+    positions = torch.arange(5)[None]
+    with torch.inference_mode():
+        want, got = drafter(emb, feats, positions), quick(emb, feats, positions)
+    # int8 weights (int16 activations): within a few percent of the float drafter's output
+    assert got.shape == want.shape and not torch.equal(got, want)
+    assert float((got - want).norm() / want.norm()) < 0.05
+
+
+def test_an_engine_on_int8_weights_drafts_on_the_int8_kernel():
+    if not _int8_runs():
+        pytest.skip("the int8 kernel does not build")
+    from dynaspec.runtime.q8 import Int8WeightLinear
+
+    registry = builtin_registry()
+    target = _target("llama", "int8")
+    engine = Engine(stack_from_mapping({"name": "t", "target": "tiny-llama", "weights": "int8", "drafter": "in-memory",
+                                        "draft": {"mode": "chain", "depth": 3}}), target, trained_drafter("llama"),
+                    registry=registry)
+    assert isinstance(engine.drafter.fc.forward, Int8WeightLinear)
+    plain = Engine(stack_from_mapping({"name": "p", "target": "tiny-llama", "weights": "int8", "drafter": None}), target,
+                   registry=registry)
+    prompt = [5, 9, 13, 2]
+    assert engine.generate(prompt, max_new_tokens=24).token_ids == plain.generate(prompt, max_new_tokens=24).token_ids

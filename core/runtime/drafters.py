@@ -132,7 +132,10 @@ class NeuralSource:
 
     def __init__(self, model, ctx: DrafterContext) -> None:
         from dynaspec.runtime.drafting import Drafting
+        from dynaspec.runtime.quantized import drafter_on_kernel
 
+        # the drafter's dense products on the target's quantised kernel, where it has one
+        model = drafter_on_kernel(model, getattr(ctx.target, "weights", None), ctx.models)
         self.model = model
         self.feature_layers = model.feature_layers
         self.drafting = Drafting(ctx.draft, ctx.target, model, ctx.shortlister, ctx.scheduler,
