@@ -131,3 +131,25 @@ def test_serve_load_serves_batched_and_alone_and_compares_answers(tmp_path):
     assert batched["mean_batch"] > 1 and batched["mean_draft_limit"] is not None
     assert report["runs"][3]["mean_batch"] == 1.0  # --max-batch 1 serves one request at a time
     assert "| spec | 3 | 3 |" in run.stdout
+
+
+@pytest.mark.skipif(__import__("dynaspec.runtime.q8", fromlist=["available"]).available() is not None,
+                    reason="the int8 kernel does not build")
+def test_activation_emulation_rounds_all_but_the_kept_products(tmp_path):
+    """scripts/activation_emulation.py: int8 activations change the teacher-forced log-likelihood;
+    keeping every product's input width at int16 gives the reference back exactly."""
+    from dynaspec.plugins.tiny import tiny_target
+
+    widths = sorted({int(p.shape[1]) for p in tiny_target("llama").model.parameters() if p.dim() == 2})
+    common = ["--target", "tiny-llama", "--dtype", "float32", "--texts", "2", "--prompts", "1", "--tokens", "48",
+              "--new-tokens", "4"]
+    rows = {}
+    for name, keep in (("rounded", []), ("kept", ["--keep", ",".join(map(str, widths))])):
+        out = tmp_path / f"{name}.json"
+        done = subprocess.run([sys.executable, str(ROOT / "scripts" / "activation_emulation.py"), *keep, "--", *common,
+                               "--json-out", str(out)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        rows[name] = json.loads(out.read_text())["rows"]
+    assert [r["weights"] for r in rows["rounded"]] == ["int8", "int8"]
+    assert rows["rounded"][1]["relative_ll_difference"] != 0.0
+    assert rows["kept"][1]["mean_log_likelihood"] == rows["kept"][0]["mean_log_likelihood"]
