@@ -229,21 +229,20 @@ class Int8WeightLinear:
         if m:
             bias = None if self.bias is None else self.bias.data_ptr()
             threads = torch.get_num_threads()
-            if self.mode == "int8":
+            if self.mode in ("int8", "int16"):  # activations quantised per row: scratch for them and their scales
                 rows = rows.contiguous() if rows.dtype in (torch.float32, torch.bfloat16) else rows.float().contiguous()
-                xq = torch.empty(m, self._padded_in, dtype=torch.uint8)
+                bf16 = int(rows.dtype == torch.bfloat16)
+                xq = torch.empty(m, self._padded_in, dtype=torch.uint8 if self.mode == "int8" else torch.int16)
                 sx = torch.empty(m, dtype=torch.float32)
-                self._lib.q8_linear_u8(rows.data_ptr(), int(rows.dtype == torch.bfloat16), m, self.in_features,
-                                       self._padded_in, self.packed.data_ptr(), self.row_sums.data_ptr(),
-                                       self.scale.data_ptr(), bias, self.out_features, out.data_ptr(), threads,
-                                       xq.data_ptr(), sx.data_ptr())
-            elif self.mode == "int16":
-                rows = rows.contiguous() if rows.dtype in (torch.float32, torch.bfloat16) else rows.float().contiguous()
-                xq = torch.empty(m, self._padded_in, dtype=torch.int16)
-                sx = torch.empty(m, dtype=torch.float32)
-                self._lib.q8_linear_i16(rows.data_ptr(), int(rows.dtype == torch.bfloat16), m, self.in_features,
-                                        self._padded_in, self.packed.data_ptr(), self.scale.data_ptr(), bias,
-                                        self.out_features, out.data_ptr(), threads, xq.data_ptr(), sx.data_ptr())
+                if self.mode == "int8":
+                    self._lib.q8_linear_u8(rows.data_ptr(), bf16, m, self.in_features, self._padded_in,
+                                           self.packed.data_ptr(), self.row_sums.data_ptr(), self.scale.data_ptr(),
+                                           bias, self.out_features, out.data_ptr(), threads, xq.data_ptr(),
+                                           sx.data_ptr())
+                else:
+                    self._lib.q8_linear_i16(rows.data_ptr(), bf16, m, self.in_features, self._padded_in,
+                                            self.packed.data_ptr(), self.scale.data_ptr(), bias, self.out_features,
+                                            out.data_ptr(), threads, xq.data_ptr(), sx.data_ptr())
             else:
                 rows = rows.float().contiguous()
                 self._lib.q8_linear(rows.data_ptr(), m, self.in_features, self.packed.data_ptr(), self.tail.data_ptr(),
