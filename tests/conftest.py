@@ -9,6 +9,8 @@ import tempfile
 # Triton reads TRITON_INTERPRET when it is imported: on a machine without a GPU its kernels can
 # only run under the interpreter, so set it before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("DYNASPEC_TRITON_ON_GPU") else "1")
+# targets load in full, their Hugging Face model at hand (tests/test_image.py turns images on)
+os.environ.setdefault("DYNASPEC_IMAGES", "0")
 # the numerics probe's verdicts go to a file of this test run, never into the user's cache
 os.environ.setdefault("DYNASPEC_VERDICTS_FILE",
                       os.path.join(tempfile.mkdtemp(prefix="dynaspec-verdicts-"), "batch-invariance.json"))

@@ -40,11 +40,11 @@ _WEIGHT_SIZES = {"float16": (2, 2), "int8-head": (2, 1), "int8": (1, 1), "w8a8":
 def weight_bytes(target) -> int:
     """Bytes of the target's weights as its ``weights`` setting stores them (a tied embedding and
     LM head counted once): the dtype's size, or 2 or 1 byte a weight for the quantised settings."""
-    params = list(target.model.parameters())
+    total = target.parameter_count
     sizes = _WEIGHT_SIZES.get(getattr(target, "weights", "dtype"))
     if sizes is None:
-        return sum(p.numel() * p.element_size() for p in params)
-    total, head = sum(p.numel() for p in params), target.lm_head_weight.numel()
+        return total * target.lm_head_weight.element_size()
+    head = target.lm_head_weight.numel()
     return (total - head) * sizes[0] + head * sizes[1]
 
 

@@ -88,6 +88,30 @@ class PathLogits:
         return self._rows[node]
 
 
+def _load_target(config: StackConfig, dtype: torch.dtype, device: torch.device, registry: Registry):
+    """``(target, image)``: the stack's target, mapped from its saved image where there is one (see
+    :mod:`dynaspec.runtime.image`), else loaded in full and cast; ``image`` is ``(folder,
+    source id)`` where an image should be saved once the target is set up, else None."""
+    from dynaspec.runtime import image as images
+    from dynaspec.runtime.quantized import resolve_weights
+    from dynaspec.runtime.targets import load_target
+
+    source_id = None
+    if images.enabled() and config.target in registry.names("target"):
+        source_id = getattr(registry.get("target", config.target), "image_id", None)
+        source_id = source_id() if callable(source_id) else source_id
+    if source_id is None:
+        return load_target(config.target, registry=registry).to(dtype=dtype, device=device), None
+    # the weights setting auto resolves to depends on the target (its auto_weights): an image per
+    # setting asked for, auto included, keyed by what auto meant when it was saved
+    folder = images.image_dir(config.target, str(source_id), dtype, config.weights, device)
+    found = images.find_image(folder)
+    if found is not None and (config.weights != "auto" or
+                              found.weights == resolve_weights("auto", device, found.auto_weights)):
+        return found, None
+    return load_target(config.target, registry=registry).to(dtype=dtype, device=device), (folder, str(source_id))
+
+
 class Engine:
     """A target, an optional drafter and the components of a stack, assembled once."""
 
@@ -187,21 +211,26 @@ class Engine:
         from dynaspec.runtime.numerics import stack_dtype
         from dynaspec.runtime.stacks import resolve_stack
         from dynaspec.runtime.target import check_device
-        from dynaspec.runtime.targets import load_target
 
         registry = registry or default_registry()
         config = resolve_stack(stack, overrides=overrides, registry=registry)
         check_device(config.device)
         dtype, device = stack_dtype(config), torch.device(config.device)
+        image = None  # where the set-up target's image is saved after this first full load
         if target is None:
-            target = load_target(config.target, registry=registry).to(dtype=dtype, device=device)
+            target, image = _load_target(config, dtype, device, registry)
         elif target.dtype != dtype or target.device.type != device.type:
             raise ConfigError(f"stack '{config.name}' runs its target in {config.dtype} on "
                               f"{config.device}, but the target given is {target.dtype} on "
                               f"{target.device}: load one target per dtype and device")
         if config.drafter is None:
             drafter = None  # plain decoding, even when a caller shares one stack's drafter with all
-        return cls(config, target, drafter, registry=registry, models=models)
+        engine = cls(config, target, drafter, registry=registry, models=models)
+        if image is not None:
+            from dynaspec.runtime.image import save_image
+
+            save_image(target, image[0], source_id=image[1])
+        return engine
 
     @classmethod
     def from_stacks(cls, stacks: Sequence[str | StackConfig], *,

@@ -102,64 +102,145 @@ def _fuse(modules, name: str) -> torch.Tensor:
     return fused
 
 
-class _Layer:
-    """One decoder layer's weights, fused, and the products that read them."""
+class ScaledEmbedding:
+    """An embedding lookup, times a scale in the weight's dtype where the model has one (Gemma's
+    ``sqrt(d)``), as the Hugging Face embedding computes it."""
 
-    def __init__(self, layer, family: str, linear: LinearFactory) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
-        parts = [attn.q_proj, attn.k_proj, attn.v_proj]
-        self.qkv_weight = _fuse(parts, "weight")
-        self.qkv_bias = _fuse(parts, "bias") if attn.q_proj.bias is not None else None
-        self.gate_up_weight = _fuse([mlp.gate_proj, mlp.up_proj], "weight")
-        # each product as (strict, relaxed, any rows), see LinearFactory
-        self.qkv = linear(self.qkv_weight, self.qkv_bias)
-        self.o = linear(attn.o_proj.weight, attn.o_proj.bias)
-        self.gate_up = linear(self.gate_up_weight, None)
-        self.down = linear(mlp.down_proj.weight, mlp.down_proj.bias)
-        self.intermediate = mlp.gate_proj.weight.shape[0]
-        if family == "gemma3":  # Gemma's norms scale by (1 + w) in float32, then round once
-            self.norms = [(1.0 + n.weight.float()) for n in (layer.input_layernorm, layer.post_attention_layernorm,
-                                                             layer.pre_feedforward_layernorm,
-                                                             layer.post_feedforward_layernorm)]
-            self.qk_norm = (1.0 + attn.q_norm.weight.float(), 1.0 + attn.k_norm.weight.float())
-        else:  # Llama's norms round the normed state, then scale by w in the model's dtype
-            self.norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            self.qk_norm = None
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        self.weight = weight
+        self.scale = None if scale is None else scale.to(weight.dtype)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        out = F.embedding(ids, self.weight)
+        return out if self.scale is None else out * self.scale
 
 
-class LeanDecoder:
-    """The decoder of a Hugging Face Llama / Qwen 2 / Gemma 3 model as plain tensor code (see the
-    module docstring). Build it after the model's final cast and move; ``linear`` makes the product
-    of each weight (the numerics probe's choice of kernel). ``c_norm``: RMS norms through the
-    compiled kernel (:func:`dynaspec.runtime.q8.rms_norm`, one call instead of some eight tensor
-    operations; row-wise like the rest), on a CPU where it builds; used with ``weights = "int8"``."""
+class LeanParts:
+    """What the lean forward computes from: the architecture's numbers and the weights, as the
+    model holds them (norm weights unshifted, products' weights fused). Read from a Hugging Face
+    model (:meth:`from_model`) or restored from a saved image (:mod:`dynaspec.runtime.image`),
+    where a product's weight may be a packed kernel state instead of a tensor."""
 
-    def __init__(self, model, linear: LinearFactory = stock_linears, *, c_norm: bool = False) -> None:
+    #: the architecture's numbers, as saved in an image
+    FIELDS = ("family", "eps", "act", "head_dim", "heads", "kv_heads", "scaling", "types", "windows",
+              "rope_scales")
+
+    def __init__(self, **fields) -> None:
+        self.family: str = fields["family"]
+        self.eps: float = fields["eps"]
+        self.act: str = fields["act"]
+        self.head_dim: int = fields["head_dim"]
+        self.heads: int = fields["heads"]
+        self.kv_heads: int = fields["kv_heads"]
+        self.scaling: float = fields["scaling"]
+        self.types: list[str] = list(fields["types"])
+        self.windows: list[int | None] = list(fields["windows"])
+        #: per layer type, the rotary frequencies (float32) and their attention scaling
+        self.inv_freq: dict[str, torch.Tensor] = fields["inv_freq"]
+        self.rope_scales: dict[str, float] = fields["rope_scales"]
+        self.embedding: ScaledEmbedding | torch.nn.Module = fields["embedding"]
+        self.final_norm: torch.Tensor = fields["final_norm"]
+        #: per layer: qkv, qkv_bias, o, o_bias, gate_up, down, down_bias (weights), norms (list),
+        #: qk_norm (pair or None), intermediate (int)
+        self.layers: list[dict] = fields["layers"]
+
+    def meta(self) -> dict:
+        return {k: getattr(self, k) for k in self.FIELDS}
+
+    @classmethod
+    def from_model(cls, model) -> "LeanParts":
+        """The parts of a Hugging Face model (its Q/K/V and gate/up weights fused in place, see
+        :func:`_fuse`)."""
         problem = lean_support(model)
         if problem is not None:
             raise ValueError(f"no lean forward for this target: {problem}")
         config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") \
             else model.config
         decoder = model.get_decoder()
-        self.family = _FAMILIES[config.model_type]
-        self.eps = float(config.rms_norm_eps)
-        self.act = _ACTIVATIONS[getattr(config, "hidden_act", None) or config.hidden_activation]
+        family = _FAMILIES[config.model_type]
         first = decoder.layers[0].self_attn
-        self.head_dim = int(first.head_dim)
-        self.heads = int(config.num_attention_heads)
-        self.kv_heads = int(config.num_key_value_heads)
-        self.groups = self.heads // self.kv_heads
-        self.scaling = float(first.scaling)
         types = list(getattr(config, "layer_types", None) or [_FULL] * len(decoder.layers))
         window = getattr(config, "sliding_window", None)
-        self.windows = [int(window) if t == _SLIDING and window else None for t in types]
-        self.layers = [_Layer(layer, self.family, linear) for layer in decoder.layers]
-        self.final_norm = decoder.norm.weight
+        layers = []
+        for layer in decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            if family == "gemma3":
+                norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+            layers.append({
+                "qkv": _fuse(qkv, "weight"), "qkv_bias": _fuse(qkv, "bias") if attn.q_proj.bias is not None else None,
+                "o": attn.o_proj.weight, "o_bias": attn.o_proj.bias,
+                "gate_up": _fuse([mlp.gate_proj, mlp.up_proj], "weight"),
+                "down": mlp.down_proj.weight, "down_bias": mlp.down_proj.bias,
+                "norms": [n.weight for n in norms],
+                "qk_norm": (attn.q_norm.weight, attn.k_norm.weight) if family == "gemma3" else None,
+                "intermediate": int(mlp.gate_proj.weight.shape[0])})
+        # rotary frequencies exactly as the model holds them, one set per layer type
+        rotary = decoder.rotary_emb
+        inv_freq, rope_scales = {}, {}
+        for kind in sorted(set(types)):
+            inv = getattr(rotary, f"{kind}_inv_freq", None)
+            scale = getattr(rotary, f"{kind}_attention_scaling", None)
+            if inv is None:
+                inv, scale = rotary.inv_freq, rotary.attention_scaling
+            inv_freq[kind], rope_scales[kind] = inv.float(), float(scale)
+        return cls(family=family, eps=float(config.rms_norm_eps),
+                   act=getattr(config, "hidden_act", None) or config.hidden_activation,
+                   head_dim=int(first.head_dim), heads=int(config.num_attention_heads),
+                   kv_heads=int(config.num_key_value_heads), scaling=float(first.scaling), types=types,
+                   windows=[int(window) if t == _SLIDING and window else None for t in types],
+                   inv_freq=inv_freq, rope_scales=rope_scales, embedding=decoder.embed_tokens,
+                   final_norm=decoder.norm.weight, layers=layers)
+
+
+class _Layer:
+    """One decoder layer's weights, fused, and the products that read them."""
+
+    def __init__(self, part: dict, family: str, linear: LinearFactory) -> None:
+        self.qkv_weight = part["qkv"]
+        self.qkv_bias = part["qkv_bias"]
+        self.gate_up_weight = part["gate_up"]
+        # each product as (strict, relaxed, any rows), see LinearFactory
+        self.qkv = linear(self.qkv_weight, self.qkv_bias)
+        self.o = linear(part["o"], part["o_bias"])
+        self.gate_up = linear(self.gate_up_weight, None)
+        self.down = linear(part["down"], part["down_bias"])
+        self.intermediate = part["intermediate"]
+        if family == "gemma3":  # Gemma's norms scale by (1 + w) in float32, then round once
+            self.norms = [(1.0 + n.float()) for n in part["norms"]]
+            self.qk_norm = tuple(1.0 + n.float() for n in part["qk_norm"])
+        else:  # Llama's norms round the normed state, then scale by w in the model's dtype
+            self.norms = list(part["norms"])
+            self.qk_norm = None
+
+
+class LeanDecoder:
+    """The decoder of a Hugging Face Llama / Qwen 2 / Gemma 3 model as plain tensor code (see the
+    module docstring). Build it after the model's final cast and move, from the model or from its
+    :class:`LeanParts`; ``linear`` makes the product of each weight (the numerics probe's choice
+    of kernel). ``c_norm``: RMS norms through the compiled kernel
+    (:func:`dynaspec.runtime.q8.rms_norm`, one call instead of some eight tensor operations;
+    row-wise like the rest), on a CPU where it builds; used with ``weights = "int8"``."""
+
+    def __init__(self, model, linear: LinearFactory = stock_linears, *, c_norm: bool = False) -> None:
+        parts = model if isinstance(model, LeanParts) else LeanParts.from_model(model)
+        self.parts = parts
+        self.family = parts.family
+        self.eps = parts.eps
+        self.act = _ACTIVATIONS[parts.act]
+        self.head_dim, self.heads, self.kv_heads = parts.head_dim, parts.heads, parts.kv_heads
+        self.groups = self.heads // self.kv_heads
+        self.scaling = parts.scaling
+        types = parts.types
+        self.windows = parts.windows
+        self.layers = [_Layer(part, self.family, linear) for part in parts.layers]
+        self.final_norm = parts.final_norm
         if self.family == "gemma3":
-            self.final_norm = 1.0 + decoder.norm.weight.float()
-        self.embedding = decoder.embed_tokens
-        self.dtype = decoder.norm.weight.dtype
-        self.device = decoder.norm.weight.device
+            self.final_norm = 1.0 + parts.final_norm.float()
+        self.embedding = parts.embedding
+        self.dtype = parts.final_norm.dtype
+        self.device = parts.final_norm.device
         self._c_norm = None
         if c_norm and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
             from dynaspec.runtime import q8
@@ -172,15 +253,7 @@ class LeanDecoder:
                     if layer.qk_norm is not None:
                         layer.qk_norm = tuple(n.float() for n in layer.qk_norm)
                 self.final_norm = self.final_norm.float()
-        # rotary frequencies exactly as the model holds them, one set per layer type
-        rotary = decoder.rotary_emb
-        self._inv_freq = {}
-        for kind in set(types):
-            inv = getattr(rotary, f"{kind}_inv_freq", None)
-            scale = getattr(rotary, f"{kind}_attention_scaling", None)
-            if inv is None:
-                inv, scale = rotary.inv_freq, rotary.attention_scaling
-            self._inv_freq[kind] = (inv.float(), float(scale))
+        self._inv_freq = {kind: (parts.inv_freq[kind], parts.rope_scales[kind]) for kind in set(types)}
         self._types = types
         self._tables: dict[str, torch.Tensor] = {}
 

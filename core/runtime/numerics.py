@@ -125,7 +125,8 @@ def probe(target) -> dict[str, str]:
                      "w8a8": "w8a8"}[target.weights]
         head_kind = {"dtype": None, "float16": "float16", "int8-head": "int8-dynamic", "int8": "int8",
                      "w8a8": "w8a8"}[target.weights]
-        report = make_batch_invariant(target.decoder)
+        # the Hugging Face modules' products (none for a target restored from an image)
+        report = make_batch_invariant(target.decoder) if target.model is not None else {}
         head_name = "lm_head " + "x".join(map(str, target.lm_head_weight.shape))
         if head_kind is None:
             verdict, head = invariant_linear(target.lm_head_weight, target.lm_head_bias, rows=HEAD_PROBE_ROWS,
@@ -138,10 +139,11 @@ def probe(target) -> dict[str, str]:
             target._certify = certificate(target, verdict)
         else:
             verdict, target._head, target._relaxed_head = quantized_linear(
-                head_kind, target.lm_head_weight, target.lm_head_bias, rows=max(HEAD_PROBE_ROWS))
+                head_kind, getattr(target, "packed_head", None) or target.lm_head_weight, target.lm_head_bias,
+                rows=max(HEAD_PROBE_ROWS))
             target._certify = None
         report[head_name] = verdict
-        target._rowwise = install_rowwise_attention(target.model)
+        target._rowwise = install_rowwise_attention(target.model) if target.model is not None else False
         report["attention"] = "row-wise for chains" if target._rowwise else "variant"
         if lean:
             # the lean forward's fused products have shapes of their own: probed as well; it

@@ -209,6 +209,53 @@ class Int8WeightLinear:
                              .reshape(-1)[:n].contiguous() if self.mode == "int8" else None)
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
+    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The packed weights (tensors) and what they were packed for (numbers), to be saved and
+        restored by :meth:`from_state` without quantising again."""
+        tensors = {"packed": self.packed, "tail": self.tail, "scale": self.scale}
+        if self.row_sums is not None:
+            tensors["row_sums"] = self.row_sums
+        if self.bias is not None:
+            tensors["bias"] = self.bias
+        meta = {"mode": self.mode, "out_features": self.out_features, "in_features": self.in_features,
+                "padded_in": self._padded_in, "layout": list(self._layout)}
+        return tensors, meta
+
+    @classmethod
+    def from_state(cls, tensors: dict[str, torch.Tensor], meta: dict, level: str | None = None) -> "Int8WeightLinear":
+        """The product :meth:`state` saved, on the kernel built here: refused (ValueError) where
+        this kernel packs for another layout (lanes and tile rows depend on the instruction set)."""
+        self = cls.__new__(cls)
+        self._lib = _library(level)
+        self.mode = meta["mode"]
+        if self.mode not in modes(level):
+            raise ValueError(f"int8 kernel mode {self.mode!r} does not run here")
+        lanes = {"float": self._lib.q8_lanes, "int16": self._lib.q8_int16_lanes, "int8": self._lib.q8_u8_lanes}[
+            self.mode]()
+        layout = (lanes, self._lib.q8_tile_rows())
+        if tuple(meta["layout"]) != layout:
+            raise ValueError(f"packed for lanes and tile rows {tuple(meta['layout'])}, this kernel uses {layout}")
+        self._layout = layout
+        self.out_features, self.in_features = int(meta["out_features"]), int(meta["in_features"])
+        self._padded_in = int(meta["padded_in"])
+        kv = self._padded_in - self._padded_in % lanes
+        tiles = -(-self.out_features // layout[1])
+        expected = {"packed": ((tiles * layout[1] * kv,), torch.int8),
+                    "tail": ((self.out_features, self._padded_in - kv), torch.int8),
+                    "scale": ((self.out_features,), torch.float32)}
+        if self.mode == "int8":
+            expected["row_sums"] = ((self.out_features,), torch.int32)
+        if "bias" in tensors:
+            expected["bias"] = ((self.out_features,), torch.float32)
+        for name, (shape, dtype) in expected.items():
+            t = tensors.get(name)
+            if t is None or tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+                raise ValueError(f"packed tensor {name!r} missing or not {dtype} of shape {shape}")
+        self.packed, self.tail, self.scale = tensors["packed"], tensors["tail"], tensors["scale"]
+        self.row_sums = tensors.get("row_sums") if self.mode == "int8" else None
+        self.bias = tensors.get("bias")
+        return self
+
     def quantised_weight(self) -> torch.Tensor:
         """The weight as the kernel sees it, dequantised (float32): for quality checks."""
         lanes, tile_rows = self._layout

@@ -193,6 +193,18 @@ class Int8Linear(_Packed):
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
 
+class PackedWeight:
+    """A product's weight already packed for the kernel of ``kind`` (restored from an image, see
+    :mod:`dynaspec.runtime.image`): what the linear factories get instead of the weight tensor.
+    ``shape`` and ``dtype`` are the weight's as the target holds it."""
+
+    def __init__(self, kind: str, kernel, dtype: torch.dtype) -> None:
+        self.kind = kind
+        self.kernel = kernel
+        self.shape = torch.Size((kernel.out_features, kernel.in_features))
+        self.dtype = dtype
+
+
 def make_kernel(kind: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
     """The product of ``weight`` in ``kind``: "float16", "int8-dynamic" (FBGEMM, 7-bit
     activations), "int8" (weight-only, :mod:`dynaspec.runtime.q8`, activations in the weight's
@@ -302,7 +314,12 @@ def quantized_linear(kind: str, weight: torch.Tensor, bias: torch.Tensor | None 
     from dynaspec.runtime.batch_invariance import _machine, verdicts_file
     from dynaspec.runtime.cache import read_json, update_json
 
-    fn = make_kernel(kind, weight, bias)
+    if isinstance(weight, PackedWeight):
+        if weight.kind != kind:
+            raise ValueError(f"a weight packed for the {weight.kind} kernel, asked for {kind}")
+        fn = weight.kernel
+    else:
+        fn = make_kernel(kind, weight, bias)
     key = "|".join([_machine(), f"quantized{PROBE_VERSION}", kind, "x".join(map(str, weight.shape)),
                     str(bias is not None), f"rows{rows}"])
     verdict = read_json(verdicts_file()).get(key)

@@ -29,51 +29,52 @@ def check_device(device: str) -> None:
             raise ConfigError(f"device '{device}': only {torch.cuda.device_count()} CUDA device(s) here")
 
 
-def _layer_base():
+@functools.cache
+def kv_layer_class():
+    """The Hugging Face cache layer over a :class:`~dynaspec.runtime.kv_buffer.KVBuffer`, for the
+    generic forward (defined at first use: transformers is imported only by targets that need it)."""
     from transformers.cache_utils import DynamicLayer
 
-    return DynamicLayer
+    class KVLayer(DynamicLayer):
+        """One attention layer's cache as Hugging Face expects it: ``update`` writes the new entries
+        in place and returns views of the filled part; :meth:`keep` compacts kept entries in place."""
 
+        def __init__(self, capacity: int) -> None:
+            super().__init__()
+            self.buffer = KVBuffer(capacity)
 
-class KVLayer(_layer_base()):
-    """One attention layer's cache as Hugging Face expects it, over a
-    :class:`~dynaspec.runtime.kv_buffer.KVBuffer`: ``update`` writes the new entries in place and returns
-    views of the filled part; :meth:`keep` compacts kept entries in place."""
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            self.device = key_states.device
+            self.is_initialized = True
 
-    def __init__(self, capacity: int) -> None:
-        super().__init__()
-        self.buffer = KVBuffer(capacity)
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self.keys, self.values = self.buffer.append(key_states, value_states)
+            return self.keys, self.values
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self.is_initialized = True
+        def get_seq_length(self) -> int:
+            return self.buffer.length
 
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.keys, self.values = self.buffer.append(key_states, value_states)
-        return self.keys, self.values
+        def keep(self, past: int, keep: torch.Tensor | None, count: int) -> None:
+            """See :meth:`KVBuffer.keep`."""
+            if self.is_initialized:
+                self.buffer.keep(past, keep, count)
+                self.keys, self.values = self.buffer.views()
 
-    def get_seq_length(self) -> int:
-        return self.buffer.length
+        def crop(self, tokens_to_remove: int) -> None:
+            if tokens_to_remove < 0 and self.is_initialized:
+                self.buffer.crop(self.buffer.length + tokens_to_remove)
+                self.keys, self.values = self.buffer.views()
 
-    def keep(self, past: int, keep: torch.Tensor | None, count: int) -> None:
-        """See :meth:`KVBuffer.keep`."""
-        if self.is_initialized:
-            self.buffer.keep(past, keep, count)
-            self.keys, self.values = self.buffer.views()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove < 0 and self.is_initialized:
-            self.buffer.crop(self.buffer.length + tokens_to_remove)
-            self.keys, self.values = self.buffer.views()
+    return KVLayer
 
 
 def _new_kv_cache(capacity: int):
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    cache.layer_class_to_replicate = functools.partial(KVLayer, capacity)
+    cache.layer_class_to_replicate = functools.partial(kv_layer_class(), capacity)
     return cache
 
 
@@ -135,6 +136,10 @@ class TargetModel:
         self.vocab_size = int(self.lm_head_weight.shape[0])
         self.hidden_size = int(self.lm_head_weight.shape[1])
         self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
+        layers = getattr(self.decoder, "layers", None)
+        self.n_layers = len(layers) if layers is not None else int(getattr(self.config, "num_hidden_layers", 0))
+        #: weights of the model, counted once (a tied embedding and head are one tensor)
+        self.parameter_count = sum(p.numel() for p in model.parameters())
         self._layer_types = self._mask_layer_types()
         self._fingerprint: dict[str, Any] | None = None
         #: per layer shape, how rows are kept independent of the batch size (None: not probed)
@@ -324,7 +329,7 @@ class TargetModel:
         if self.forward_kind == "lean":
             from dynaspec.runtime.lean import LeanCache
 
-            return LeanCache(len(self.decoder.layers), capacity)
+            return LeanCache(self.n_layers, capacity)
         return _new_kv_cache(capacity)
 
     def fused_features(self, ids: torch.Tensor, layers: Sequence[int]) -> torch.Tensor:
@@ -353,7 +358,7 @@ class TargetModel:
         """
         from dynaspec.runtime.batch_invariance import rowwise_chain
 
-        count = len(self.decoder.layers)
+        count = self.n_layers
         bad = [i for i in (layers or ()) if not 0 <= i <= count]
         if bad:
             raise ConfigError(f"feature layers {bad} are not layers of this target: it has {count} "
@@ -408,7 +413,7 @@ class TargetModel:
             for p in passes:
                 alone(p)
             return
-        count = len(self.decoder.layers)
+        count = self.n_layers
         for group in self._pass_groups(passes):
             lengths = [p.cache.get_seq_length() for p in group]
             try:
