@@ -24,12 +24,18 @@ import torch
 
 
 def load(target_name: str, weights: str, dtype: str):
+    """The target with ``weights``: a setting, or ``w8a8@P+Q`` for w8a8 keeping products P and Q
+    (of qkv, o, gate_up, down, lm_head) at 16-bit activations instead of the target's own choice
+    (``w8a8@`` keeps none)."""
     from dynaspec.runtime.numerics import resolve_dtype
     from dynaspec.runtime.quantized import resolve_weights
     from dynaspec.runtime.targets import load_target
 
+    name, keep, kept = weights.partition("@")
     target = load_target(target_name).to(dtype=resolve_dtype(dtype))
-    target.use_weights(resolve_weights(weights)).make_batch_invariant()
+    if keep:
+        target.w8a8_int16 = frozenset(p for p in kept.split("+") if p)
+    target.use_weights(resolve_weights(name)).make_batch_invariant()
     return target
 
 
@@ -51,7 +57,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="gemma3-270m")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--weights", default="dtype,float16,int8-head", help="comma-separated settings; the first "
+    parser.add_argument("--weights", default="dtype,float16,int8-head", help="comma-separated settings (w8a8@P+Q: w8a8 keeping products P, Q at 16-bit activations); the first "
                         "is the reference")
     parser.add_argument("--texts", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=384)
@@ -84,7 +90,7 @@ def main(argv=None) -> int:
             total, count = total + s, count + n
             argmax.append(a)
         engine = Engine.from_stack("baseline", overrides={"target": args.target, "dtype": args.dtype,
-                                                          "weights": weights}, target=target)
+                                                          "weights": weights.partition("@")[0]}, target=target)
         outputs = [engine.generate(target.format_prompt(p["text"]), max_new_tokens=args.new_tokens).token_ids
                    for p in dev_protocol_prompts(args.prompts)]
         row = {"weights": weights, "kernels": target.batch_invariance, "mean_log_likelihood": total / count,

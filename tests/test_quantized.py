@@ -149,6 +149,45 @@ def test_speculative_equals_plain_decoding_with_the_same_weights(kind, weights, 
             assert got.stats.new_tokens == 32
 
 
+@pytest.mark.skipif(not _w8a8_runs(), reason="no AVX-512 VNNI here")
+def test_w8a8_keeps_the_products_a_target_names_at_16_bit_activations(tmp_path):
+    """A target's ``w8a8_int16`` products run on the int16 mode (exactly as under int8 weights),
+    the others on 8-bit activations; the guarantee and an image of it hold as ever."""
+    from dynaspec.plugins.tiny import tiny_target
+    from dynaspec.runtime.image import load_image, save_image
+
+    registry = builtin_registry()
+    target = tiny_target("gemma3").to(dtype="bfloat16")
+    target.w8a8_int16 = frozenset({"down", "lm_head"})
+    common = {"name": "t", "target": "tiny-gemma3", "weights": "w8a8", "dtype": "bfloat16"}
+    plain = Engine(stack_from_mapping({**common, "drafter": None}), target, registry=registry)
+    report = target.batch_invariance
+    down = "lean 32x64 bfloat16"  # the only product of 64 inputs (the MLP's width)
+    assert report[down] == "stock (int8)"
+    assert report[next(k for k in report if k.startswith("lm_head"))] == "stock (int8)"
+    others = [v for k, v in report.items() if k.startswith("lean ") and k != down]
+    assert others and all(v == "stock (w8a8)" for v in others)
+    # the kept products compute what int8 weights compute; the rest differ from them
+    int8 = tiny_target("gemma3").to(dtype="bfloat16").use_weights("int8")
+    Engine(stack_from_mapping({**common, "weights": "int8", "drafter": None}), int8, registry=registry)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    assert torch.equal(target._lean_decoder().layers[0].down[0](x), int8._lean_decoder().layers[0].down[0](x))
+    h = torch.randn(3, 32).to(torch.bfloat16)
+    assert torch.equal(target.logits(h), int8.logits(h))
+    assert not torch.equal(target._lean_decoder().layers[0].qkv[0](h), int8._lean_decoder().layers[0].qkv[0](h))
+    spec = Engine(stack_from_mapping({**common, "drafter": "in-memory", "draft": {"mode": "chain", "depth": 4}}),
+                  target, trained_drafter("gemma3"), registry=registry)
+    assert spec.exactness == "guaranteed"
+    for prompt in ([5, 9, 14], [40, 41, 42, 43]):
+        assert spec.generate(prompt, max_new_tokens=24).token_ids == plain.generate(prompt, max_new_tokens=24).token_ids
+    assert save_image(target, tmp_path / "image", source_id="test")
+    mapped = load_image(tmp_path / "image")
+    assert mapped.w8a8_int16 == target.w8a8_int16
+    Engine(stack_from_mapping({**common, "drafter": None}), mapped, registry=registry)
+    assert mapped.batch_invariance == target.products_in_use()
+    assert torch.equal(mapped.logits(h), target.logits(h))
+
+
 def test_a_target_serves_only_its_own_weights():
     registry = builtin_registry()
     target = _target("llama", "float16")

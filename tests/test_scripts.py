@@ -153,3 +153,23 @@ def test_activation_emulation_rounds_all_but_the_kept_products(tmp_path):
     assert [r["weights"] for r in rows["rounded"]] == ["int8", "int8"]
     assert rows["rounded"][1]["relative_ll_difference"] != 0.0
     assert rows["kept"][1]["mean_log_likelihood"] == rows["kept"][0]["mean_log_likelihood"]
+
+
+def test_start_time_times_whole_generate_processes(tmp_path):
+    """scripts/start_time.py runs whole ``dynaspec generate`` processes of one token per stack and
+    reports each one's time (here on the tiny target, in a cache of its own)."""
+    import os
+
+    env = {**os.environ, "DYNASPEC_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "start_time.py"), "--stacks", "tiny-baseline",
+                          "--runs", "2", "--first", "--json-out", str(tmp_path / "s.json")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "s.json").read_text())
+    times = report["seconds"]["dynaspec generate --stack tiny-baseline"]
+    assert len(times) == 2 and all(0 < t < 300 for t in times)
+    assert report["first"]["tiny-baseline"] > 0
+    assert "| dynaspec generate --stack tiny-baseline |" in out.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "start_time.py"), "--runs", "0"],
+                         capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "--runs must be at least 1" in bad.stderr

@@ -37,7 +37,7 @@ import torch
 from dynaspec.errors import ConfigError
 from dynaspec.runtime.target import TargetModel
 
-IMAGE_FORMAT = 1
+IMAGE_FORMAT = 2  # 2: the w8a8 products kept at 16-bit activations recorded
 META = "image.json"
 TENSORS = "tensors.safetensors"
 TOKENIZER = "tokenizer.json"
@@ -179,6 +179,7 @@ class ImageTarget(TargetModel):
         self._lean = None
         self.weights = meta["weights"]
         self.auto_weights = meta["auto_weights"]
+        self.w8a8_int16 = frozenset(meta["w8a8_int16"])
         #: where the image lies
         self.image = meta.get("folder")
 
@@ -201,7 +202,7 @@ class ImageTarget(TargetModel):
         from dynaspec.runtime.lean import LeanDecoder, stock_linears
         from dynaspec.runtime.quantized import PackedWeight
 
-        def stock(weight, bias):
+        def stock(weight, bias, name=""):
             if isinstance(weight, PackedWeight):
                 return (weight.kernel,) * 3
             return stock_linears(weight, bias)
@@ -278,7 +279,7 @@ def save_image(target: TargetModel, folder: Path, *, source_id: str) -> bool:
     meta = {
         "format": IMAGE_FORMAT, "target": target.name, "source_id": source_id,
         "dtype": str(target.dtype).removeprefix("torch."), "device": target.device.type, "weights": target.weights,
-        "auto_weights": target.auto_weights, "prompt_format": target.prompt_format, "softcap": target.softcap,
+        "auto_weights": target.auto_weights, "w8a8_int16": sorted(target.w8a8_int16), "prompt_format": target.prompt_format, "softcap": target.softcap,
         "vocab_size": target.vocab_size, "hidden_size": target.hidden_size, "max_positions": target.max_positions,
         "parameter_count": target.parameter_count, "fingerprint": target.fingerprint(),
         "eos_token_ids": list(target.eos_token_ids), "parts": parts.meta(), "intermediate":
@@ -348,7 +349,9 @@ def load_image(folder: Path) -> ImageTarget:
     if meta.get("format") != IMAGE_FORMAT:
         raise ValueError("an image of another format")
     tensors = load_file(str(folder / TENSORS))
-    kind = {"int8": "int8", "w8a8": "w8a8"}.get(meta["weights"])
+
+    def kind(state: dict) -> str:  # the int8 kernel's mode says which setting packed it
+        return "w8a8" if state["mode"] == "int8" else "int8"
 
     def product(prefix: str):
         state = meta["q8"].get(prefix)
@@ -357,7 +360,7 @@ def load_image(folder: Path) -> ImageTarget:
         from dynaspec.runtime.q8 import Int8WeightLinear
 
         own = {k.removeprefix(prefix + ".q8."): v for k, v in tensors.items() if k.startswith(prefix + ".q8.")}
-        return PackedWeight(kind, Int8WeightLinear.from_state(own, state), dtype), None
+        return PackedWeight(kind(state), Int8WeightLinear.from_state(own, state), dtype), None
 
     dtype = tensors["final_norm"].dtype
     pm = meta["parts"]
@@ -386,7 +389,7 @@ def load_image(folder: Path) -> ImageTarget:
         from dynaspec.runtime.q8 import Int8WeightLinear
 
         own = {k.removeprefix("head.q8."): v for k, v in tensors.items() if k.startswith("head.q8.")}
-        packed_head = PackedWeight(kind, Int8WeightLinear.from_state(own, meta["head_q8"]), dtype)
+        packed_head = PackedWeight(kind(meta["head_q8"]), Int8WeightLinear.from_state(own, meta["head_q8"]), dtype)
     tokenizer = ImageTokenizer(folder, meta["tokenizer"]) if meta.get("tokenizer") is not None else None
     meta["folder"] = str(folder)
     return ImageTarget(parts, meta=meta, tokenizer=tokenizer, lm_head_weight=head,

@@ -34,8 +34,10 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 #: makes the products of one weight: (strict, relaxed, any rows). The first two are kernels for the
 #: rows of plain steps and verifications (strict: rows never depend on the row count; relaxed: the
 #: same, unless that costs padding, see ``TargetModel.make_batch_invariant``); the third is for a
-#: prefill, which plain and speculative decoding compute alike (the same weights, any kernel)
-LinearFactory = Callable[[torch.Tensor, "torch.Tensor | None"], tuple[Linear, Linear, Linear]]
+#: prefill, which plain and speculative decoding compute alike (the same weights, any kernel). A
+#: factory is called with the weight, the bias and the product's name ("qkv", "o", "gate_up" or
+#: "down"; a factory may treat them apart, e.g. keep one at a wider precision)
+LinearFactory = Callable[[torch.Tensor, "torch.Tensor | None", str], tuple[Linear, Linear, Linear]]
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -47,7 +49,8 @@ def stock_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Line
     return lambda x: F.linear(x, weight, bias)
 
 
-def stock_linears(weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[Linear, Linear, Linear]:
+def stock_linears(weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  name: str = "") -> tuple[Linear, Linear, Linear]:
     """The stock kernel as every product (no probe)."""
     fn = stock_linear(weight, bias)
     return fn, fn, fn
@@ -202,10 +205,10 @@ class _Layer:
         self.qkv_bias = part["qkv_bias"]
         self.gate_up_weight = part["gate_up"]
         # each product as (strict, relaxed, any rows), see LinearFactory
-        self.qkv = linear(self.qkv_weight, self.qkv_bias)
-        self.o = linear(part["o"], part["o_bias"])
-        self.gate_up = linear(self.gate_up_weight, None)
-        self.down = linear(part["down"], part["down_bias"])
+        self.qkv = linear(self.qkv_weight, self.qkv_bias, "qkv")
+        self.o = linear(part["o"], part["o_bias"], "o")
+        self.gate_up = linear(self.gate_up_weight, None, "gate_up")
+        self.down = linear(part["down"], part["down_bias"], "down")
         self.intermediate = part["intermediate"]
         if family == "gemma3":  # Gemma's norms scale by (1 + w) in float32, then round once
             self.norms = [(1.0 + n.float()) for n in part["norms"]]

@@ -125,6 +125,8 @@ def probe(target) -> dict[str, str]:
                      "w8a8": "w8a8"}[target.weights]
         head_kind = {"dtype": None, "float16": "float16", "int8-head": "int8-dynamic", "int8": "int8",
                      "w8a8": "w8a8"}[target.weights]
+        if head_kind == "w8a8" and "lm_head" in target.w8a8_int16:
+            head_kind = "int8"
         # the Hugging Face modules' products (none for a target restored from an image)
         report = make_batch_invariant(target.decoder) if target.model is not None else {}
         head_name = "lm_head " + "x".join(map(str, target.lm_head_weight.shape))
@@ -150,10 +152,11 @@ def probe(target) -> dict[str, str]:
             # attends a chain row by row by construction
             from dynaspec.runtime.lean import stock_linear
 
-            def linear(weight, bias):
+            def linear(weight, bias, name=""):
                 shape = "x".join(map(str, weight.shape)) + " " + str(weight.dtype).removeprefix("torch.")
                 if body_kind is not None:
-                    verdict, strict, relaxed = quantized_linear(body_kind, weight, bias)
+                    kind = "int8" if body_kind == "w8a8" and name in target.w8a8_int16 else body_kind
+                    verdict, strict, relaxed = quantized_linear(kind, weight, bias)
                     report[f"lean {shape}"] = verdict
                     return strict, relaxed, relaxed
                 verdict, fn = invariant_linear(weight, bias, pad=True)

@@ -173,6 +173,11 @@ class TargetModel:
         #: what ``weights = "auto"`` means for this target: the fastest setting whose quality was
         #: measured within bounds (scripts/weights_quality.py); "dtype" until someone measures it
         self.auto_weights = "dtype"
+        #: under ``weights = "w8a8"``, the products kept at 16-bit activations (the int8 kernel's
+        #: ``int16`` mode): any of "qkv", "o", "gate_up", "down" (every layer's) and "lm_head"; a
+        #: target sets those whose inputs hold outliers that 8 bits round away (measured with
+        #: scripts/activation_emulation.py)
+        self.w8a8_int16: frozenset[str] = frozenset()
 
     def _refresh(self) -> None:
         head = self.model.get_output_embeddings()
