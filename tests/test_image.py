@@ -169,10 +169,17 @@ def test_the_first_start_saves_an_image_and_later_starts_map_it(monkeypatch, cap
     assert second.generate("Hello", max_new_tokens=12).token_ids == first.generate("Hello", max_new_tokens=12).token_ids
     folder = images.image_dir("imaged-tiny", "imaged-tiny-v1", torch.float32, "dtype", torch.device("cpu"))
     assert second.target.image == str(folder)
-    # another weights setting is another image
+    # an image of the same setting under another key (an earlier version, say) is removed on saving
+    stale = folder.with_name(folder.name[:-12] + "0" * 12)
+    stale.mkdir()
+    (stale / images.TENSORS).write_bytes(b"old")
+    folder.rename(folder.with_name(folder.name + "-x"))  # out of the way: the next start saves again
+    _from_stack(registry)
+    assert len(LOADS) == 2 and folder.exists() and not stale.exists() and folder.with_name(folder.name + "-x").exists()
+        # another weights setting is another image
     if Q8:
-        assert not isinstance(_from_stack(registry, "int8").target, ImageTarget) and len(LOADS) == 2
-        assert isinstance(_from_stack(registry, "int8").target, ImageTarget) and len(LOADS) == 2
+        assert not isinstance(_from_stack(registry, "int8").target, ImageTarget) and len(LOADS) == 3
+        assert isinstance(_from_stack(registry, "int8").target, ImageTarget) and len(LOADS) == 3
     # turned off: loaded in full every time
     monkeypatch.setenv("DYNASPEC_IMAGES", "0")
     assert not isinstance(_from_stack(registry).target, ImageTarget)

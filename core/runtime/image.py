@@ -321,6 +321,12 @@ def save_image(target: TargetModel, folder: Path, *, source_id: str) -> bool:
                     return False  # another process saved it meanwhile
                 remove_folder(folder)
             os.rename(tmp, folder)
+            # images of the same target, dtype and weights under another key (an earlier dynaspec,
+            # source or image format) would only take disk space: removed
+            stem = folder.name.rsplit("-", 1)[0]
+            for other in parent.glob(f"{stem}-*"):
+                if other != folder and other.is_dir() and len(other.name) == len(folder.name):
+                    remove_folder(other)
         return True
     except OSError as exc:
         _say(f"no image of the target saved ({exc}); starts stay slower")
