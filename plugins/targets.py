@@ -22,15 +22,15 @@ def _qwen(params: NoParams, ctx: None):
 
 
 def _qwen_image_id() -> str:
-    from dynaspec.plugins.qwen import qwen_cache_dir
+    from dynaspec.plugins import qwen
 
-    return qwen_cache_dir().name
+    return "-".join([qwen.qwen_cache_dir().name, qwen.AUTO_WEIGHTS, *sorted(qwen.W8A8_INT16)])
 
 
 def _gemma_image_id() -> str:
-    from dynaspec.plugins.gemma import gemma_cache_dir
+    from dynaspec.plugins import gemma
 
-    return gemma_cache_dir().name
+    return "-".join([gemma.gemma_cache_dir().name, gemma.AUTO_WEIGHTS, *sorted(gemma.W8A8_INT16)])
 
 
 def _tiny(kind: str):

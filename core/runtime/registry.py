@@ -45,7 +45,8 @@ class Component:
     #: then gets an instance of it, checked; without one it gets the stack's table as a dict.
     params: type | None = None
     #: Targets only: a string naming the exact weights the target loads (its source file's hash,
-    #: the converter's version), or a callable returning it. With one, the first load saves a
+    #: the converter's version) and every choice of the plugin its set-up depends on (what its
+    #: ``auto_weights`` and ``w8a8_int16`` are), or a callable returning it. With one, the first load saves a
     #: ready-to-map image of the set-up target and later starts map it
     #: (:mod:`dynaspec.runtime.image`); without, the target loads in full every time.
     image_id: Any = attrs.field(default=None, eq=False)
