@@ -8,6 +8,9 @@ decoding.
 
     python scripts/step_cost.py --target gemma3-270m --weights dtype,float16,int8-head,int8 --threads 1
     python scripts/step_cost.py --target qwen2.5-coder-0.5b --dtype auto --weights int8,w8a8 --rows 1,4,6,8
+    python scripts/step_cost.py --target gemma3-270m --dtype auto --weights int8,w8a8@down --rows 1,6
+
+(``w8a8@P+Q``: w8a8 keeping products P and Q at 16-bit activations, as ``target.w8a8_int16`` says.)
 """
 
 from __future__ import annotations
@@ -46,8 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1e3 * statistics.median(samples)
 
     def measure(weights: str) -> list[float]:
-        target = load_target(args.target).to(dtype=resolve_dtype(args.dtype)).use_weights(weights)
-        target.make_batch_invariant()
+        name, keep, kept = weights.partition("@")  # w8a8@P+Q: keeping P and Q at 16-bit activations
+        target = load_target(args.target).to(dtype=resolve_dtype(args.dtype))
+        if keep:
+            target.w8a8_int16 = frozenset(p for p in kept.split("+") if p)
+        target.use_weights(name).make_batch_invariant()
         ids = torch.tensor(target.tokenizer(target.format_prompt("Explain why the sky is blue, in detail."))["input_ids"])
         cache = target.new_cache(64)
         target.forward(ids, torch.arange(len(ids)), cache)

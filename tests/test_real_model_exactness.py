@@ -82,12 +82,16 @@ def test_against_unpatched_hugging_face_in_float32(default_engine):
 @CASES
 def test_default_on_its_weights_equals_plain_decoding_on_them(auto_engines, text, new):
     from dynaspec.runtime.q8 import available
-    from dynaspec.runtime.quantized import fbgemm_available
+    from dynaspec.runtime.quantized import fbgemm_available, weights_problem
 
     baseline, default = auto_engines
     assert baseline.target is default.target
-    assert default.target.weights == ("int8" if available() is None else
-                                      "int8-head" if fbgemm_available() else "dtype")
+    assert default.target.weights == ("w8a8" if weights_problem("w8a8") is None else "int8" if available() is None
+                                      else "int8-head" if fbgemm_available() else "dtype")
+    if default.target.weights == "w8a8":  # Gemma keeps its down projections (2,048 inputs) at 16 bits
+        lean = {k: v for k, v in default.target.batch_invariance.items() if k.startswith("lean ")}
+        assert lean["lean 640x2048 bfloat16"] == "stock (int8)"
+        assert sum(v == "stock (w8a8)" for v in lean.values()) == len(lean) - 1
     ids = default.target.tokenizer(default.target.format_prompt(text))["input_ids"]
     result = default.generate(ids, max_new_tokens=new)
     assert result.stats.exactness == "guaranteed"
