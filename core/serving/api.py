@@ -80,6 +80,10 @@ class Server:
         self.stopping = False
         target = engine.target
         self.chat_template = bool(getattr(target.tokenizer, "chat_template", None))
+        if self.chat_template:
+            # a target mapped from its image loads the full tokenizer (the chat template's renderer)
+            # on first use: here, before the port opens, not in the first request
+            getattr(target.tokenizer, "apply_chat_template")
 
     # -- checks ------------------------------------------------------------------------------------
     def check_params(self, body: Any, allowed: set[str]) -> None:
