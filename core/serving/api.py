@@ -83,7 +83,7 @@ class Server:
         if self.chat_template:
             # a target mapped from its image loads the full tokenizer (the chat template's renderer)
             # on first use: here, before the port opens, not in the first request
-            getattr(target.tokenizer, "apply_chat_template")
+            _ = target.tokenizer.apply_chat_template
 
     # -- checks ------------------------------------------------------------------------------------
     def check_params(self, body: Any, allowed: set[str]) -> None:
