@@ -163,20 +163,9 @@ class ImageTarget(TargetModel):
         self._layer_types = ()
         self._fingerprint = dict(meta["fingerprint"])
         self._eos = tuple(int(i) for i in meta["eos_token_ids"])
-        self.batch_invariance = None
-        self.max_pass_rows = 1
-        self.pass_rows = None
-        from dynaspec.runtime.numerics import HEAD_PROBE_ROWS
-
-        self.max_head_rows = max(HEAD_PROBE_ROWS)
-        self.probed_rows = 1
-        self._head = None
-        self._relaxed_head = None
-        self._certify = None
-        self._rowwise = False
+        self._numerics_state()
         self._cache_kwarg = "past_key_values"
         self.forward_kind = "lean"
-        self._lean = None
         self.weights = meta["weights"]
         self.auto_weights = meta["auto_weights"]
         self.w8a8_int16 = frozenset(meta["w8a8_int16"])

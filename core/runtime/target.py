@@ -142,6 +142,20 @@ class TargetModel:
         self.parameter_count = sum(p.numel() for p in model.parameters())
         self._layer_types = self._mask_layer_types()
         self._fingerprint: dict[str, Any] | None = None
+        self._numerics_state()
+        params = inspect.signature(self.decoder.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        # which forward runs the decoder: "lean" (dynaspec.runtime.lean: fused products, no
+        # per-layer module dispatch) or "generic" (the Hugging Face modules, any architecture)
+        if forward not in ("auto", "lean", "generic"):
+            raise ConfigError(f"forward {forward!r}: one of auto, lean, generic")
+        problem = lean_support(model) if forward != "generic" else None
+        if forward == "lean" and problem:
+            raise ConfigError(f"target '{name}' declares the lean forward, which does not cover it: {problem}")
+        self.forward_kind = "generic" if forward == "generic" or problem else "lean"
+    def _numerics_state(self) -> None:
+        """The numerics' state before the probe (see :meth:`make_batch_invariant`) and the weights
+        setting's defaults: every target starts so, however it was loaded."""
         #: per layer shape, how rows are kept independent of the batch size (None: not probed)
         self.batch_invariance: dict[str, str] | None = None
         #: the most rows one pass of several sequences computes (:meth:`forward_many`): set by
@@ -157,16 +171,6 @@ class TargetModel:
         self._relaxed_head = None  # the same, unless it pads (then the stock product)
         self._certify: float | None = None  # see greedy_token
         self._rowwise = False  # attention computes a chain's rows as plain steps would
-        params = inspect.signature(self.decoder.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        # which forward runs the decoder: "lean" (dynaspec.runtime.lean: fused products, no
-        # per-layer module dispatch) or "generic" (the Hugging Face modules, any architecture)
-        if forward not in ("auto", "lean", "generic"):
-            raise ConfigError(f"forward {forward!r}: one of auto, lean, generic")
-        problem = lean_support(model) if forward != "generic" else None
-        if forward == "lean" and problem:
-            raise ConfigError(f"target '{name}' declares the lean forward, which does not cover it: {problem}")
-        self.forward_kind = "generic" if forward == "generic" or problem else "lean"
         self._lean = None  # built at the first forward, after the final cast (see _lean_decoder)
         #: which weights the lean forward and the head compute from (see :meth:`use_weights`)
         self.weights = "dtype"
