@@ -151,7 +151,6 @@ class ImageTarget(TargetModel):
         self.embedding = parts.embedding
         self.lm_head_weight = lm_head_weight
         self.lm_head_bias = lm_head_bias
-        self.packed_head = packed_head
         self.dtype = lm_head_weight.dtype
         self.device = lm_head_weight.device
         self.softcap = meta["softcap"]
@@ -164,6 +163,7 @@ class ImageTarget(TargetModel):
         self._fingerprint = dict(meta["fingerprint"])
         self._eos = tuple(int(i) for i in meta["eos_token_ids"])
         self._numerics_state()
+        self.packed_head = packed_head
         self._cache_kwarg = "past_key_values"
         self.forward_kind = "lean"
         self.weights = meta["weights"]

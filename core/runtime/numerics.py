@@ -141,7 +141,7 @@ def probe(target) -> dict[str, str]:
             target._certify = certificate(target, verdict)
         else:
             verdict, target._head, target._relaxed_head = quantized_linear(
-                head_kind, getattr(target, "packed_head", None) or target.lm_head_weight, target.lm_head_bias,
+                head_kind, target.packed_head or target.lm_head_weight, target.lm_head_bias,
                 rows=max(HEAD_PROBE_ROWS))
             target._certify = None
         report[head_name] = verdict

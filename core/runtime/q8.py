@@ -189,9 +189,8 @@ class Int8WeightLinear:
         if self.mode not in modes(level):
             raise ConfigError(f"int8 kernel mode {self.mode!r} does not run here: {', '.join(modes(level))} do")
         self.out_features, self.in_features = weight.shape
-        lanes = {"float": self._lib.q8_lanes, "int16": self._lib.q8_int16_lanes, "int8": self._lib.q8_u8_lanes}[
-            self.mode]()
-        self._layout = (lanes, self._lib.q8_tile_rows())
+        self._layout = self._kernel_layout()
+        lanes = self._layout[0]
         # integer modes: K padded with zero weights to a whole number of steps (no tail columns)
         self._padded_in = -(-self.in_features // lanes) * lanes if self.mode != "float" else self.in_features
         with torch.inference_mode():  # quantised and packed in one pass (see q8_quantize_pack)
@@ -208,6 +207,11 @@ class Int8WeightLinear:
             self.row_sums = (self.packed.view(-1, kv // lanes, tile_rows, lanes).sum((1, 3), dtype=torch.int32)
                              .reshape(-1)[:n].contiguous() if self.mode == "int8" else None)
         self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def _kernel_layout(self) -> tuple[int, int]:
+        """(lanes, tile rows) the kernel built here packs for in this mode."""
+        lanes = {"float": self._lib.q8_lanes, "int16": self._lib.q8_int16_lanes, "int8": self._lib.q8_u8_lanes}
+        return lanes[self.mode](), self._lib.q8_tile_rows()
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """The packed weights (tensors) and what they were packed for (numbers), to be saved and
@@ -230,9 +234,8 @@ class Int8WeightLinear:
         self.mode = meta["mode"]
         if self.mode not in modes(level):
             raise ValueError(f"int8 kernel mode {self.mode!r} does not run here")
-        lanes = {"float": self._lib.q8_lanes, "int16": self._lib.q8_int16_lanes, "int8": self._lib.q8_u8_lanes}[
-            self.mode]()
-        layout = (lanes, self._lib.q8_tile_rows())
+        layout = self._kernel_layout()
+        lanes = layout[0]
         if tuple(meta["layout"]) != layout:
             raise ValueError(f"packed for lanes and tile rows {tuple(meta['layout'])}, this kernel uses {layout}")
         self._layout = layout

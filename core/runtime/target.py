@@ -172,6 +172,8 @@ class TargetModel:
         self._certify: float | None = None  # see greedy_token
         self._rowwise = False  # attention computes a chain's rows as plain steps would
         self._lean = None  # built at the first forward, after the final cast (see _lean_decoder)
+        #: the LM head already packed for its quantised kernel (a target restored from an image), or None
+        self.packed_head = None
         #: which weights the lean forward and the head compute from (see :meth:`use_weights`)
         self.weights = "dtype"
         #: what ``weights = "auto"`` means for this target: the fastest setting whose quality was
