@@ -5,6 +5,7 @@ settings are chosen on; shards record the kind, and a folder refuses shards of a
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 from safetensors import safe_open
@@ -68,11 +69,15 @@ def test_collect_later_turns_generated_and_raw(tmp_path, conversations):
     assert len(gen) == 2
     with safe_open(str(gen[0]), framework="pt") as fh:
         meta = fh.metadata()
-    assert meta["turns"] == "later" and meta["ids"] == f'["{a}#2", "{a}#4"]'
+    ids = json.loads(meta["ids"])
+    assert meta["turns"] == "later" and sorted(ids) == [f"{a}#2", f"{a}#4"]
     shard = load_shard(gen[0])
-    plen = int(shard["prompt_lens"][0])
+    lens = shard["prompt_lens"].tolist()
+    assert lens == sorted(lens)  # a shard's prompts are generated for in order of length
+    row = ids.index(f"{a}#2")
+    start, plen = int(shard["offsets"][row]), lens[row]
     prompt = tgt.tokenizer(tgt.format_prompt("Wie geht es dir und der Familie heute?"))["input_ids"]
-    assert shard["tokens"][:plen].tolist() == prompt
+    assert shard["tokens"][start:start + plen].tolist() == prompt
     assert "human turns (2 of them later turns standing alone)" in describe_shards(gen)["data"]
 
     raw = dc.collect(tgt, tmp_path / "raw", prompts=5, shard_size=5, source="raw", new_tokens=8, turns="later",

@@ -84,3 +84,23 @@ def test_cli_refuses_a_temperature_for_raw_text_before_loading_anything(tmp_path
                  "--source", "raw", "--temperature", "0.7"]) == 2
     assert "--source generated" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
+
+
+def test_first_prompt_collects_the_prompts_after_it_and_a_folder_keeps_one_range(tmp_path, prompts):
+    import json
+
+    from dynaspec.training.shards import shard_metadata
+
+    tgt = tiny_target("llama")
+    whole = dc.collect(tgt, tmp_path / "all", prompts=4, shard_size=2, batch=2, new_tokens=3)
+    later = dc.collect(tgt, tmp_path / "later", prompts=2, shard_size=2, batch=2, new_tokens=3, first_prompt=2)
+    assert len(later) == 1
+    # the same prompts and the same greedy continuations as the second shard of the whole range
+    assert sorted(_tokens(later)[0]) == sorted(_tokens(whole[1:])[0])
+    assert sorted(json.loads(shard_metadata(later[0])["ids"])) == ["id2", "id3"]
+    assert shard_metadata(later[0])["first_prompt"] == "2"
+    assert "prompts from #2 on" in describe_shards(later)["data"]
+    with pytest.raises(ConfigError, match="from prompt 2 on"):
+        dc.collect(tgt, tmp_path / "later", prompts=4, shard_size=2, batch=2, new_tokens=3)
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        dc.collect(tgt, tmp_path / "neg", prompts=2, shard_size=2, new_tokens=3, first_prompt=-1)

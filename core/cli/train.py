@@ -51,6 +51,9 @@ def register(sub) -> None:
     pr.add_argument("--prompts", type=positive_int, default=2048,
                     help="train prompts to collect (how much data a good drafter takes: see the end of this "
                     "help)")
+    pr.add_argument("--first-prompt", type=int, default=0, metavar="N",
+                    help="collect the --prompts train prompts after the first N (new data for a drafter given "
+                    "to --init that was trained on the first N; default 0)")
     pr.add_argument("--source", choices=["raw", "generated"], default="generated",
                     help="generated: prompt + the target's own greedy continuation (what it will draft "
                     "against: the better drafter); raw: prompt + the conversation's own answer in one "
@@ -90,6 +93,9 @@ def register(sub) -> None:
                     "checkpoints go in the first), the collect stage writes one")
     tr.add_argument("--out", help="folder to write the drafter to")
     tr.add_argument("--prompts", type=int, default=2048, help="train prompts to collect")
+    tr.add_argument("--first-prompt", type=int, default=0, metavar="N",
+                    help="collect the --prompts prompts after the first N of the split (default 0); a "
+                    "folder holds one such range")
     tr.add_argument("--shard-size", type=int, default=32)
     tr.add_argument("--batch", type=int, default=32, help="generation batch")
     tr.add_argument("--new-tokens", type=int, default=80, help="greedy tokens generated per prompt")
@@ -196,7 +202,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     the same command to resume; `--stack OUT/stack.toml` then works."""
     from dynaspec.training.prepare import PrepareBudget, prepare
 
-    budget = PrepareBudget(prompts=args.prompts, source=args.source, shard_size=args.shard_size,
+    budget = PrepareBudget(prompts=args.prompts, first_prompt=args.first_prompt, source=args.source, shard_size=args.shard_size,
                            new_tokens=args.new_tokens, steps=args.steps, batch_positions=args.batch_positions,
                            drafter_width=args.drafter_width, feature_layers=_feature_layers(args.feature_layers),
                            clusters=args.clusters,
@@ -237,7 +243,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                    new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                    worker=args.worker, workers=args.workers, split=args.split, slice_name=args.slice,
                    source=args.source, turns=args.turns, temperature=args.temperature, seed=args.seed,
-                   feature_layers=args.feature_layers)
+                   feature_layers=args.feature_layers, first_prompt=args.first_prompt)
     if args.stage in ("train", "all"):
         if not args.out:
             raise ConfigError("--out is required to train")

