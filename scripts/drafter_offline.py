@@ -23,13 +23,16 @@ import torch
 
 
 @torch.inference_mode()
-def chain_acceptance(target, drafter, shard: dict, depth: int, every: int) -> dict:
-    """Per draft position: chains that reached it and chains whose token there was the target's."""
+def chain_acceptance(target, drafter, shard: dict, depth: int, every: int, topk: int = 0) -> dict:
+    """Per draft position: chains that reached it and chains whose token there was the target's;
+    with ``topk``, also how often the target's token at the first draft position is among the
+    drafter's ``k`` likeliest there, for k = 1..topk (what sibling branches of a tree could catch)."""
     from dynaspec.runtime.drafter import DraftCache
 
     head = target.lm_head_weight
     dtype = drafter.fc.weight.dtype
     reached, accepted, lengths = [0] * depth, [0] * depth, []
+    top_hits = torch.zeros(topk)
     offs, plens = shard["offsets"].tolist(), shard["prompt_lens"].tolist()
     lower = shard.get("layer_inputs")
     for a, b, plen in zip(offs[:-1], offs[1:], plens):
@@ -46,6 +49,10 @@ def chain_acceptance(target, drafter, shard: dict, depth: int, every: int) -> di
         outs = drafter(emb[None], drafter.project(feats[:-1].to(dtype))[None],
                        torch.arange(1, n)[None], cache=cache)[0]
         roots = list(range(plen - 1, n - 1, every))
+        if topk and roots:
+            at = torch.tensor(roots)
+            ranked = (outs[at - 1].to(head.dtype) @ head.T).topk(topk, dim=-1).indices
+            top_hits += (ranked == gold[at][:, None]).float().cumsum(-1).sum(0)
         for m in reversed(roots):  # later roots first: each overwrites only cache entries past it
             cache.crop(m)  # entries for tokens 1..m: the committed context of root m
             out = outs[m - 1:m]  # predicted f_m from (x_m, f_{m-1})
@@ -62,7 +69,7 @@ def chain_acceptance(target, drafter, shard: dict, depth: int, every: int) -> di
                 out = drafter(target.embed(torch.tensor([tok])).to(dtype)[None], out[None],
                               torch.tensor([[m + k + 1]]), cache=cache)[0]
             lengths.append(ok)
-    return {"reached": reached, "accepted": accepted, "lengths": lengths}
+    return {"reached": reached, "accepted": accepted, "lengths": lengths, "top_hits": top_hits.tolist()}
 
 
 def main() -> None:
@@ -76,6 +83,8 @@ def main() -> None:
     ap.add_argument("--drafter", nargs="+", required=True, help="built-in names or folders")
     ap.add_argument("--depth", type=int, default=5)
     ap.add_argument("--every", type=int, default=1, help="draft from every N-th answer position")
+    ap.add_argument("--topk", type=int, default=0, metavar="K",
+                    help="also report the first draft position's top-1..K hit rates")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
@@ -88,10 +97,11 @@ def main() -> None:
     for ref in args.drafter:
         drafter = load_drafter(ref, target).float()
         layers = lower_layers(target, drafter.feature_layers[:-1] if drafter.feature_layers else ())
-        totals = {"reached": [0] * args.depth, "accepted": [0] * args.depth, "lengths": []}
+        totals = {"reached": [0] * args.depth, "accepted": [0] * args.depth, "lengths": [],
+                  "top_hits": [0.0] * args.topk}
         for path in paths:
-            one = chain_acceptance(target, drafter, load_shard(path, layers), args.depth, args.every)
-            for key in ("reached", "accepted"):
+            one = chain_acceptance(target, drafter, load_shard(path, layers), args.depth, args.every, args.topk)
+            for key in ("reached", "accepted", "top_hits"):
                 totals[key] = [x + y for x, y in zip(totals[key], one[key])]
             totals["lengths"] += one["lengths"]
         mean = 1 + sum(totals["lengths"]) / max(len(totals["lengths"]), 1)  # + the target's own token
@@ -100,9 +110,15 @@ def main() -> None:
                        "conditional_acceptance": cond}
         print(f"{ref}: accepted length {mean:.3f} over {len(totals['lengths'])} chains of {args.depth}; "
               f"per position {cond}", flush=True)
+        if args.topk:
+            report[ref]["first_position_top_k"] = [round(h / max(len(totals["lengths"]), 1), 3)
+                                                   for h in totals["top_hits"]]
+            print(f"{ref}: first position's top-1..{args.topk} hit rate {report[ref]['first_position_top_k']}",
+                  flush=True)
     if args.json_out:
         with open(args.json_out, "w") as fh:
             json.dump({"target": args.target, "work": args.work, "depth": args.depth, "every": args.every,
+                       "topk": args.topk,
                        "drafters": report}, fh, indent=2)
 
 
