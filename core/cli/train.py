@@ -19,19 +19,22 @@ PREPARE_STAGES = ("collect", "drafter", "frequency", "clusters", "router", "stac
 #: how much data and time a good drafter takes, as measured (docs/results.md, docs/drafter-curve.md)
 PREPARE_EPILOG = """\
 How much data and time a good drafter takes (measured on 2 cores of an AMD EPYC, one thread per job;
-mean accepted length of a chain of 5 over the full vocabulary on the 40 dev prompts):
+mean accepted length of a chain of 5 over the full vocabulary, the target's own token included):
   Gemma 3 270M   about +0.5 per doubling of the train positions: 1.68 at 70k positions, 2.50 at
                  195k, 2.74 at 301k; with fused layers 2.97 at 301k, 3.12 at 425k, 3.36 at 587k
-                 (docs/drafter-curve.md)
-  Qwen2.5-Coder  1.45 at 103k positions without fused layers (600 steps); 1.48 at 247k with fused
-                 layers 3 and 12 (700 steps), 60% of them prompt positions; trained on 600 steps
-                 more with --loss-on answer (the answers' ~100k positions): 1.69 offline on 64 dev
-                 prompts, against 1.54 for the same chains before (docs/results.md)
-Collection is the long part: the target's own continuations came at about 40 positions a second on
-one core for a 0.5B target in bfloat16 (97 minutes for 247k positions, with the training beside it);
-training 700 steps of 2,048 positions took 66 minutes on one core. Both resume where they stopped: run the collection
-in the background early (--stage collect), and the drafter stage beside it (it re-reads the shards
-every epoch).
+                 (40 dev prompts; docs/drafter-curve.md)
+  Qwen2.5-Coder  offline on 64 dev prompts (scripts/drafter_offline.py), each drafter trained on from
+                 the one before with fused layers 3 and 12 and --loss-on answer: 1.69 at 247k positions
+                 (41 shards of 32 prompts), 1.80 at 422k (72), 1.84 at 602k (105); about +0.1 per
+                 doubling. It is bound by data: on 32 prompts it trained on, the same drafter
+                 accepts 2.28 (first position 73% against 49% on new prompts). Use --first-prompt to
+                 give an --init drafter new prompts.
+Collection is the long part. The target's own continuations (--source generated) came at 15-17
+answer positions a second on one core for a 0.5B target in bfloat16 (2-2.5 minutes a shard of 32
+prompts); --source raw (the conversations' own answers, one prefill) at about 70. Training 600 steps
+of 2,048 positions took 31 minutes on two processes. Both resume where they stopped: run the
+collection in the background early (--stage collect), and the drafter stage beside it (it re-reads
+the shards every epoch).
 """
 
 
