@@ -26,9 +26,10 @@ mean accepted length of a chain of 5 over the full vocabulary, the target's own 
   Qwen2.5-Coder  offline on 64 dev prompts (scripts/drafter_offline.py), each drafter trained on from
                  the one before with fused layers 3 and 12 and --loss-on answer: 1.69 at 247k positions
                  (41 shards of 32 prompts), 1.80 at 422k (72), 1.84 at 602k (105); about +0.1 per
-                 doubling. It is bound by data: on 32 prompts it trained on, the same drafter
-                 accepts 2.28 (first position 73% against 49% on new prompts). Use --first-prompt to
-                 give an --init drafter new prompts.
+                 doubling, and flat since: 300 more steps on 33 shards of new prompts
+                 (--first-prompt 3360), with or without 16 raw shards, left it at 1.78-1.80. It
+                 memorises what it trains on (2.28 on 32 of its own train prompts, first position
+                 73% against 49% on new ones) without generalising further.
 Collection is the long part. The target's own continuations (--source generated) came at 15-17
 answer positions a second on one core for a 0.5B target in bfloat16 (2-2.5 minutes a shard of 32
 prompts); --source raw (the conversations' own answers, one prefill) at about 70. Training 600 steps
