@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from dynaspec.cli.common import command, command_line, positive_int
+from dynaspec.cli.common import command, command_line, non_negative_int, positive_int
 from dynaspec.errors import ConfigError
 
 #: the stages of `dynaspec prepare` (dynaspec.training.prepare.STAGES, without importing it)
@@ -55,7 +55,7 @@ def register(sub) -> None:
     pr.add_argument("--prompts", type=positive_int, default=2048,
                     help="train prompts to collect (how much data a good drafter takes: see the end of this "
                     "help)")
-    pr.add_argument("--first-prompt", type=int, default=0, metavar="N",
+    pr.add_argument("--first-prompt", type=non_negative_int, default=0, metavar="N",
                     help="collect the --prompts train prompts after the first N (new data for a drafter given "
                     "to --init that was trained on the first N; default 0)")
     pr.add_argument("--source", choices=["raw", "generated"], default="generated",
@@ -97,7 +97,7 @@ def register(sub) -> None:
                     "checkpoints go in the first), the collect stage writes one")
     tr.add_argument("--out", help="folder to write the drafter to")
     tr.add_argument("--prompts", type=int, default=2048, help="train prompts to collect")
-    tr.add_argument("--first-prompt", type=int, default=0, metavar="N",
+    tr.add_argument("--first-prompt", type=non_negative_int, default=0, metavar="N",
                     help="collect the --prompts prompts after the first N of the split (default 0); a "
                     "folder holds one such range")
     tr.add_argument("--shard-size", type=int, default=32)
