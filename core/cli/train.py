@@ -11,6 +11,7 @@ from pathlib import Path
 
 from dynaspec.cli.common import command, command_line, non_negative_int, positive_int
 from dynaspec.errors import ConfigError
+from dynaspec.runtime.config import WEIGHTS_CHOICES
 
 #: the stages of `dynaspec prepare` (dynaspec.training.prepare.STAGES, without importing it)
 PREPARE_STAGES = ("collect", "drafter", "frequency", "clusters", "router", "stack")
@@ -88,6 +89,10 @@ def register(sub) -> None:
     pr.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="the target's dtype while preparing: auto is bfloat16 where the CPU computes it "
                     "natively (its prefills run 2-3x faster there), else float32")
+    pr.add_argument("--weights", choices=list(WEIGHTS_CHOICES), default="auto",
+                    help="the weights the target computes from while preparing: auto (the default) is what "
+                    "its default stacks compute from (int8 weights and 8-bit activations for the embedded "
+                    "default), so the drafter learns the continuations and features it will meet")
 
     tr = command(sub, cmd_train_drafter, "train-drafter", target=True,
         help="collect target features on ShareGPT train and train the drafter")
@@ -143,6 +148,9 @@ def register(sub) -> None:
     tr.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="the target's dtype for collection and fused features: auto is bfloat16 where the "
                     "CPU computes it natively (2-3x faster prefills there), else float32")
+    tr.add_argument("--weights", choices=list(WEIGHTS_CHOICES), default="auto",
+                    help="the weights the target computes from (auto: what its default stacks use); "
+                    "collection generates several sequences per pass of the target where it can")
     tr.add_argument("--init", metavar="DRAFTER", default=None,
                     help="start from this drafter's weights (a folder, or a built-in name such as "
                     "gemma3-270m) instead of random ones: more training on more data; its architecture "
@@ -211,7 +219,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                            drafter_width=args.drafter_width, feature_layers=_feature_layers(args.feature_layers),
                            clusters=args.clusters,
                            router_epochs=args.router_epochs,
-                           router_width=args.router_width, dtype=args.dtype, loss_on=args.loss_on)
+                           router_width=args.router_width, dtype=args.dtype, loss_on=args.loss_on,
+                           weights=args.weights)
     if args.init and args.drafter:
         raise ConfigError("--init starts a drafter's training and --drafter uses one untrained: give one of them")
     manifest = prepare(args.target, Path(args.out), budget=budget, drafter=args.drafter, redo=tuple(args.redo),
@@ -228,7 +237,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     (resumable from checkpoints in --work) and writes it atomically to --out."""
     from dynaspec.runtime.targets import load_target
     from dynaspec.training import drafter as dt
-    from dynaspec.training.collect import collect, sampling_kind
+    from dynaspec.training.collect import collect, sampling_kind, set_up_target
 
     if args.stage in ("collect", "all") and len(args.work) > 1:
         raise ConfigError("--stage collect writes one --work folder; give one")
@@ -240,6 +249,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
     target = load_target(args.target)
     target.to(dtype=resolve_dtype(args.dtype, target.device))
+    set_up_target(target, args.weights)
     work = Path(args.work[0])
     started = time.time()
     if args.stage in ("collect", "all"):

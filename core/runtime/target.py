@@ -398,6 +398,7 @@ class TargetModel:
             return hidden
         return hidden, torch.cat([captured[i][0] if i < count else hidden for i in layers], dim=-1)
 
+    @torch.inference_mode()
     def forward_many(self, passes: Sequence["TargetPass"], *, strict: bool = True) -> None:
         """Run the plain steps and verifications of several sequences (each its own cache), setting
         each pass's ``result`` to what :meth:`forward` returns for it alone, bit for bit. The lean

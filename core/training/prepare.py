@@ -63,6 +63,9 @@ class PrepareBudget:
     #: the target's dtype while preparing; ``auto``: bfloat16 where the CPU computes it natively
     #: (collection's prefills and generation run 2-3x faster there), else float32
     dtype: str = "auto"
+    #: the weights the target computes from while collecting (``auto``: what its default stacks
+    #: compute from, so the drafter learns the continuations and features it meets at inference)
+    weights: str = "auto"
     #: where the drafter's loss is read: ``answer``, the positions whose next token is the target's
     #: own continuation (what it drafts at inference); ``all``, the prompts' positions too
     loss_on: str = attrs.field(default="answer", validator=attrs.validators.in_(("answer", "all")))
@@ -159,6 +162,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         raise ConfigError(f"--clusters {budget.clusters} exceeds the target's vocabulary ({target.vocab_size})")
     out.mkdir(parents=True, exist_ok=True)  # only once every check has passed
     target.to(dtype=resolve_dtype(budget.dtype, target.device))
+    collect_mod.set_up_target(target, budget.weights)  # batched generation through the lean forward
     manifest = manifest or {"format": FORMAT, "target": target_ref, "fingerprint": fingerprint, "stages": {}}
     manifest["budget"] = json.loads(json.dumps(attrs.asdict(budget)))  # the latest run's, as JSON keeps it
     work = out / "work"
