@@ -295,3 +295,40 @@ def test_the_loss_reads_the_answer_positions_only_by_default(tmp_path, fake_prom
         assert reads.tolist() == answer[a + 1:b].tolist()
     with pytest.raises(ConfigError, match="loss_on"):
         dt.train(target, work, tmp_path / "x", steps=1, loss_on="prompt")
+
+
+def _first_step_accuracy(target, drafter, work) -> float:
+    """How often the drafter's first step ranks the target's own next token first, over the first
+    shard's answer positions."""
+    import random
+
+    shard = dt.load_shard(dt.shard_paths(work)[0])
+    mask = dt.loss_mask(shard)
+    batch = [w for b in dt._batches(shard, 16, 10_000, random.Random(0), mask) for w in b]
+    freq = dt._frequent_tokens(dt.shard_paths(work), 16)
+    with torch.no_grad():
+        _, stats = dt._step_loss(dt._Unrolled(drafter.float(), 1), target.lm_head_weight, freq, shard, batch,
+                                 target.embed, 0.0, torch.Generator(), mask=mask)
+    return stats["acc0"]
+
+
+def test_training_with_bfloat16_products_learns_as_float32_does(tmp_path, fake_prompts):
+    from dynaspec.errors import ConfigError
+    from dynaspec.runtime.drafter import DrafterConfig
+
+    target = tiny_target("llama")
+    work = tmp_path / "work"
+    dc.collect(target, work, prompts=6, shard_size=6, batch=3, new_tokens=20)
+    kwargs = dict(window=16, batch_positions=64, unroll=2, frequent=16, steps=40, lr=3e-3)
+    torch.manual_seed(0)
+    untrained = _first_step_accuracy(target, Drafter(DrafterConfig.like_target(target.model)), work)
+    acc = {}
+    for precision in ("float32", "bfloat16"):
+        drafter = dt.train(target, work, tmp_path / precision, precision=precision, **kwargs)
+        assert drafter.meta["training"]["precision"] == precision
+        acc[precision] = _first_step_accuracy(target, drafter, work)
+    assert acc["float32"] > untrained + 0.3 and acc["bfloat16"] > untrained + 0.3
+    assert abs(acc["bfloat16"] - acc["float32"]) < 0.05
+    assert dt.training_precision("float32") == "float32"
+    with pytest.raises(ConfigError, match="precision 'half'"):
+        dt.training_precision("half")

@@ -150,13 +150,13 @@ def _step_loss(model: torch.nn.Module, head: torch.Tensor, frequent: torch.Tenso
     x, inp, nxt, valid = x[rows], inp[rows], nxt[rows].float(), valid[rows]
     with torch.no_grad():
         emb = embed(x).float()
-        teacher = torch.softmax(nxt[valid] @ w_c.T, dim=-1)
+        teacher = torch.softmax((nxt[valid] @ w_c.T).float(), dim=-1)
     positions = torch.arange(1, width + 1)[None].expand(len(x), -1)
     preds = model(emb, inp, prev[rows][:, :1].float(), positions)
     total, stats = 0.0, {}
     for k, pred in enumerate(preds):
         reg = F.smooth_l1_loss(pred[valid], nxt[valid], reduction="sum") / (count * pred.shape[-1])
-        logp = torch.log_softmax(pred[valid] @ w_c.T, dim=-1)
+        logp = torch.log_softmax((pred[valid] @ w_c.T).float(), dim=-1)
         ce = -(teacher * logp).sum() / count
         total = total + (reg + ce) * (1.0 if k == 0 else 0.5)
         stats[f"ce{k}"] = float(ce.detach()) * world
@@ -233,12 +233,24 @@ def _load_checkpoint(drafter: Drafter, opt: torch.optim.Optimizer, work: Path) -
     return state
 
 
+def training_precision(name: str, device: torch.device | str = "cpu") -> str:
+    """A ``precision`` setting of :func:`train` as the one used: ``auto`` is ``bfloat16`` where
+    ``device`` computes it natively (:func:`dynaspec.runtime.numerics.native_bf16`), else ``float32``."""
+    from dynaspec.runtime.numerics import native_bf16
+
+    if name not in ("auto", "bfloat16", "float32"):
+        raise ConfigError(f"precision {name!r}: one of auto, bfloat16, float32")
+    if name == "auto":
+        return "bfloat16" if native_bf16(device) else "float32"
+    return name
+
+
 def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs: int = 2, steps: int | None = None,
           lr: float = 1e-3, window: int = 256, batch_positions: int = 2048, unroll: int = 2,
           frequent: int = 2048, noise: float = 0.1, max_shards: int | None = None, seed: int = 0,
           checkpoint_every: int = 100, provenance: dict[str, Any] | None = None,
           intermediate_size: int | None = None, feature_layers: Sequence[int] | None = None,
-          init: Drafter | None = None, loss_on: str = "answer") -> Drafter:
+          init: Drafter | None = None, loss_on: str = "answer", precision: str = "auto") -> Drafter:
     """Train a drafter on the collected shards of ``work`` (one folder, or several: say an English
     and code collection and a non-English one); write it to ``out``.
 
@@ -252,6 +264,9 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
     data); its architecture is kept, and a width or feature layers that differ from it are refused.
     ``loss_on``: ``"answer"`` trains on the positions whose next token is the target's own
     continuation (the prompts are context only), ``"all"`` on the prompts' positions too.
+    ``precision``: the products of each step in ``bfloat16`` (autocast; the weights, the optimiser
+    and the losses stay float32) or ``float32``; ``auto`` is bfloat16 where the device computes it
+    natively (2.3 times the steps per second of float32 on one Zen 4 core).
     """
     from tqdm import tqdm
 
@@ -263,6 +278,7 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
 
     if loss_on not in ("answer", "all"):
         raise ConfigError(f"loss_on = {loss_on!r}: one of 'answer', 'all'")
+    mixed = training_precision(precision, target.device) == "bfloat16"
     paths = shard_list()
     if not paths:
         raise FileNotFoundError(f"no shards in {', '.join(map(str, folders))}: run the collection first")
@@ -336,8 +352,9 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
                 for group in opt.param_groups:
                     group["lr"] = lr_at(state["step"])
                 noise_gen = torch.Generator().manual_seed(seed * 1_000_003 + state["step"])
-                loss, stats = _step_loss(model, head, freq, shard, batch, embed, noise, noise_gen, rank, world,
-                                         mask)
+                with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=mixed):
+                    loss, stats = _step_loss(model, head, freq, shard, batch, embed, noise, noise_gen, rank, world,
+                                             mask)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -366,7 +383,8 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
                      "steps": state["step"], "epochs_started": state["epoch"] + 1,
                      "feature_layers": list(config.feature_layers or ()) or None,
                      "lr": lr, "window": window, "batch_positions": batch_positions, "unroll": unroll,
-                     "frequent": frequent, "noise": noise, "loss_on": loss_on, "shards_at_end": len(used),
+                     "frequent": frequent, "noise": noise, "loss_on": loss_on,
+                     "precision": "bfloat16" if mixed else "float32", "shards_at_end": len(used),
                      "positions_at_end": sum(one["positions"] for one in shard_sets), "shard_sets": shard_sets,
                      "train_seconds_this_run": round(time.time() - start, 1),
                      "train_seconds": round(earlier_seconds + time.time() - start, 1),

@@ -66,6 +66,9 @@ class PrepareBudget:
     #: the weights the target computes from while collecting (``auto``: what its default stacks
     #: compute from, so the drafter learns the continuations and features it meets at inference)
     weights: str = "auto"
+    #: the drafter's training products: ``bfloat16`` (autocast, float32 weights and losses),
+    #: ``float32``, or ``auto`` (bfloat16 where the device computes it natively)
+    precision: str = "auto"
     #: where the drafter's loss is read: ``answer``, the positions whose next token is the target's
     #: own continuation (what it drafts at inference); ``all``, the prompts' positions too
     loss_on: str = attrs.field(default="answer", validator=attrs.validators.in_(("answer", "all")))
@@ -191,7 +194,8 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
                                batch_positions=budget.batch_positions, seed=seed,
                                intermediate_size=None if start else budget.drafter_width,
                                feature_layers=None if start else budget.feature_layers,
-                               provenance=provenance, init=start, loss_on=budget.loss_on)
+                               provenance=provenance, init=start, loss_on=budget.loss_on,
+                               precision=budget.precision)
         return {"outputs": ["drafter"]}
 
     def frequency() -> dict[str, Any]:
