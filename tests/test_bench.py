@@ -84,3 +84,32 @@ def test_mismatch_is_reported():
     assert not results["exact"] and not results["stacks"]["spec"]["overall"]["exact"]
     assert results["stacks"]["spec"]["overall"]["speedup"] == pytest.approx(2.0)
     assert "MISMATCH" in bench.markdown(results)
+
+
+def test_repeat_keeps_each_answers_median_run_and_checks_the_repeats(tiny_spec_stack, tmp_path):
+    qs = [bench.Question("a", "qa", ("Hi there",)), bench.Question("b", "qa", ("Why?",))]
+    results = bench.run([str(tiny_spec_stack)], qs, tmp_path / "out", max_new_tokens=8, progress=False, repeat=3)
+    assert results["exact"] and results["setup"]["repeat"] == 3
+    for name in ("baseline", "spec"):
+        records = [json.loads(x) for x in (tmp_path / "out" / f"{name}.jsonl").read_text().splitlines()]
+        assert [r["question_id"] for r in records] == ["a", "b"]  # one record a question, not three
+        for r in records:
+            times = [sum(t) for t in r["repeat_wall_times"]]
+            assert len(times) == 3 and r["repeats_identical"]
+            assert sum(r["choices"][0]["wall_time"]) == sorted(times)[1]  # the median run's own times
+    with pytest.raises(bench.ConfigError, match="repeat 0"):
+        bench.run([str(tiny_spec_stack)], qs, tmp_path / "bad", max_new_tokens=8, progress=False, repeat=0)
+
+
+def test_median_run_and_repeats_that_differ_are_not_exact():
+    def rec(ids, wall):
+        return {"question_id": "a", "category": "qa", "token_ids": [ids],
+                "choices": [{"new_tokens": [len(ids)], "wall_time": [wall], "accept_lengths": [1]}]}
+
+    chosen = bench.median_run([rec([1, 2], 3.0), rec([1, 2], 1.0), rec([1, 2], 2.0), rec([1, 2], 9.0)])
+    assert chosen["choices"][0]["wall_time"] == [2.0] and chosen["repeats_identical"]
+    base = bench.median_run([rec([1, 2], 1.0), rec([1, 2], 1.2)])
+    differs = bench.median_run([rec([1, 2], 0.5), rec([1, 3], 0.6)])
+    assert not differs["repeats_identical"]
+    results = bench.summarise({"baseline": [base], "spec": [differs]}, greedy=True)
+    assert not results["exact"] and results["stacks"]["spec"]["overall"]["speedup"] == pytest.approx(2.0)

@@ -73,6 +73,10 @@ def register(sub) -> None:
     be.add_argument("--limit-per-category", type=int, default=None, metavar="K")
     be.add_argument("--temperature", type=float, default=0.0)
     be.add_argument("--seed", type=int, default=0)
+    be.add_argument("--repeat", type=positive_int, default=1, metavar="N",
+                    help="answer every question N times with every stack, interleaved, and keep the run of "
+                    "median time (default 1): a short answer takes about a second, and one slow moment of a "
+                    "shared machine moves its figure by a third")
     be.add_argument("--set", action="append", metavar="FIELD=VALUE",
                     help="override a field of every benchmarked stack (not the baseline)")
     be.add_argument("--out", required=True)
@@ -141,7 +145,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         questions += parse_questions(path)
     questions = select(questions, args.limit_per_category)
     results = run(args.stacks, questions, Path(args.out), max_new_tokens=args.max_new_tokens,
-                  temperature=args.temperature, seed=args.seed, overrides=overrides(args))
+                  temperature=args.temperature, seed=args.seed, overrides=overrides(args), repeat=args.repeat)
     print(markdown(results))
     if not results["exact"]:
         print(_DIFFERS, file=sys.stderr)

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Sequence
 
 import attrs
 
-from dynaspec.errors import InputError
+from dynaspec.errors import ConfigError, InputError
 
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 MULTI_TURN = "multi-turn conversation"
@@ -160,12 +160,30 @@ def answer(engine, question: Question, *, max_new_tokens: int, temperature: floa
             "shortlist_per_depth": {d: sum(v) / len(v) for d, v in depth_sizes.items() if v}}
 
 
+def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Of one question's repeated answers by one stack, the run whose total time is the median (the
+    lower middle one for an even count), with every run's turn times beside it
+    (``repeat_wall_times``) and whether all the runs gave the same tokens (``repeats_identical``:
+    greedy runs must)."""
+    if len(runs) == 1:
+        return runs[0]
+    by_time = sorted(runs, key=lambda r: sum(r["choices"][0]["wall_time"]))
+    return {**by_time[(len(by_time) - 1) // 2],
+            "repeat_wall_times": [r["choices"][0]["wall_time"] for r in runs],
+            "repeats_identical": all(r["token_ids"] == runs[0]["token_ids"] for r in runs)}
+
+
 def run(stack_refs: Sequence[str], questions: Sequence[Question], out: Path, *, max_new_tokens: int = 64,
         temperature: float = 0.0, seed: int = 0, progress: bool = True, target=None,
-        overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Answer every question with the baselines and the stacks (interleaved), then summarise."""
+        overrides: dict[str, Any] | None = None, repeat: int = 1) -> dict[str, Any]:
+    """Answer every question with the baselines and the stacks (interleaved), then summarise.
+    ``repeat``: each question is answered that many times by every stack, interleaved (A B A B),
+    and the run of median time is kept (:func:`median_run`): a short answer takes a second, and
+    one slow moment of a shared machine moves its figure by a third."""
     from tqdm import tqdm
 
+    if repeat < 1:
+        raise ConfigError(f"repeat {repeat}: at least 1")
     from dynaspec.evaluation.cost_model import read_bandwidth, weight_bytes
     from dynaspec.evaluation.evaluate import build_engines
 
@@ -175,22 +193,28 @@ def run(stack_refs: Sequence[str], questions: Sequence[Question], out: Path, *, 
     files = {name: out / f"{name}.jsonl" for name in engines}
     done = {name: _read_answers(path) for name, path in files.items()}
     todo = [(q, name) for q in questions for name in engines if q.question_id not in done[name]]
-    bar = tqdm(total=len(todo), desc="bench", unit="answer", file=sys.stderr, disable=not progress)
+    bar = tqdm(total=len(todo) * repeat, desc="bench", unit="answer", file=sys.stderr, disable=not progress)
     try:
         for q in questions:
-            for name, engine in engines.items():
-                if q.question_id in done[name]:
-                    continue
-                record = answer(engine, q, max_new_tokens=max_new_tokens, temperature=temperature,
-                                seed=seed, prompt_format=engine.target.format_prompt)
-                _append(files[name], record)
-                done[name][q.question_id] = record
-                bar.update(1)
+            pending = [name for name in engines if q.question_id not in done[name]]
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in pending}
+            for _ in range(repeat):
+                for name in pending:
+                    engine = engines[name]
+                    runs[name].append(answer(engine, q, max_new_tokens=max_new_tokens, temperature=temperature,
+                                             seed=seed, prompt_format=engine.target.format_prompt))
+                    if repeat == 1:  # written at once: an interrupted run keeps it
+                        _append(files[name], runs[name][0])
+                        done[name][q.question_id] = runs[name][0]
+                    bar.update(1)
+            for name in pending if repeat > 1 else ():
+                done[name][q.question_id] = median_run(runs[name])
+                _append(files[name], done[name][q.question_id])
     finally:
         bar.close()
     records = {name: [done[name][q.question_id] for q in questions] for name in engines}
     results = summarise(records, greedy=temperature == 0, reference_of=reference_of)
-    results["setup"] = {"max_new_tokens": max_new_tokens, "temperature": temperature,
+    results["setup"] = {"max_new_tokens": max_new_tokens, "temperature": temperature, "repeat": repeat,
                         "questions": len(questions), "stacks": list(engines), "baselines": reference_of}
     weights = {n: weight_bytes(e.target) for n, e in engines.items()}
     results["machine"] = {"read_bandwidth": bandwidth, "weight_bytes": weights}
@@ -252,12 +276,20 @@ def summarise(records: dict[str, list[dict[str, Any]]], *, greedy: bool,
             agg["speedup"] = (agg["tokens_per_second"] / base_agg["tokens_per_second"]
                               if base_agg["tokens_per_second"] else 0.0)
             # sampled outputs are not compared token for token (None: not checked)
-            agg["exact"] = all(r["token_ids"] == base[r["question_id"]]["token_ids"] for r in rs) if greedy else None
+            # (and every repeat of an answer gave the same tokens, the baseline's too)
+            agg["exact"] = all(r["token_ids"] == base[r["question_id"]]["token_ids"] and
+                               r.get("repeats_identical", True) and
+                               base[r["question_id"]].get("repeats_identical", True) for r in rs) if greedy else None
             per_cat[cat] = agg
         out["stacks"][name] = per_cat
     out["exact"] = all(c["exact"] is not False for s in out["stacks"].values() for c in s.values())
     out["checked"] = greedy and len(records) > len(set(reference_of.values()))
     return out
+
+
+def _median_note(results: dict[str, Any]) -> str:
+    repeat = results.get("setup", {}).get("repeat", 1)
+    return f", each answer the median of {repeat} runs" if repeat > 1 else ""
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -266,7 +298,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines = []
     for title, key, fmt in (("Mean accepted length", "mean_accepted_length", "{:.2f}"),
                             ("Mean shortlist size (tokens)", "mean_shortlist_size", "{:,.0f}"),
-                            ("Speed-up against baseline (tokens/s ratio)", "speedup", "{:.2f}x")):
+                            ("Speed-up against baseline (tokens/s ratio)" + _median_note(results), "speedup", "{:.2f}x")):
         lines += [f"### {title}", "", "| stack | " + " | ".join(cats) + " |",
                   "|---|" + "---|" * len(cats)]
         for name, per in stacks.items():
