@@ -322,18 +322,18 @@ def collect(target: TargetModel, work: Path, *, prompts: int, shard_size: int = 
             items = _prompt_batches(target.tokenizer, start, count, max_prompt_tokens, split,
                                     slice_name, fmt=target.format_prompt, turns=turns)
             items.sort(key=lambda item: len(item[1]))  # stable: batches of similar length pad little
-            seqs, prompt_lens = [], []
+            prompt_lens = [len(ids) for _, ids in items]
             if lean:  # one batch: finished sequences leave it, nothing is padded
                 draw_seed = (seed * 1_000_003 + index) * 1_000
                 made = _generate_lean(target, [ids for _, ids in items], new_tokens, temperature, draw_seed, lower)
-                seqs = [ids + cont for (_, ids), (cont, _, _) in zip(items, made)]
-                prompt_lens = [len(ids) for _, ids in items]
-            for b in range(0, len(items) if not lean else 0, batch):
-                chunk = [ids for _, ids in items[b:b + batch]]
-                draw_seed = (seed * 1_000_003 + index) * 1_000 + b  # per shard and batch: resumable
-                for ids, cont in zip(chunk, _generate(target, chunk, new_tokens, temperature, draw_seed)):
-                    seqs.append(ids + cont)
-                    prompt_lens.append(len(ids))
+                conts = [cont for cont, _, _ in made]
+            else:
+                conts = []
+                for b in range(0, len(items), batch):
+                    chunk = [ids for _, ids in items[b:b + batch]]
+                    draw_seed = (seed * 1_000_003 + index) * 1_000 + b  # per shard and batch: resumable
+                    conts += _generate(target, chunk, new_tokens, temperature, draw_seed)
+            seqs = [ids + cont for (_, ids), cont in zip(items, conts)]
         if not items:
             paths.pop()
             break  # the split (or slice) has fewer prompts than asked for
