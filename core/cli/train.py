@@ -46,6 +46,19 @@ epoch).
 """
 
 
+def _precision_and_weights(parser) -> None:
+    """The options ``prepare`` and ``train-drafter`` share for how the target and the drafter compute."""
+    parser.add_argument("--precision", choices=["auto", "bfloat16", "float32"], default="auto",
+                        help="the drafter's training products: bfloat16 (autocast; float32 weights, optimiser and "
+                        "losses), float32, or auto (the default): bfloat16 where the CPU computes it natively (2.3 "
+                        "times the steps a second of float32 on one Zen 4 core)")
+    parser.add_argument("--weights", choices=list(WEIGHTS_CHOICES), default="auto",
+                        help="the weights the target computes from: auto (the default) is what its default stacks "
+                        "compute from (int8 weights and 8-bit activations for the embedded default), so the drafter "
+                        "learns the continuations and features it will meet; collection generates several "
+                        "sequences per pass of the target where it can")
+
+
 def register(sub) -> None:
     pr = command(sub, cmd_prepare, "prepare", help="build every artifact of a DynaSpec stack for a new target",
                  epilog=PREPARE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,14 +108,7 @@ def register(sub) -> None:
     pr.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="the target's dtype while preparing: auto is bfloat16 where the CPU computes it "
                     "natively (its prefills run 2-3x faster there), else float32")
-    pr.add_argument("--precision", choices=["auto", "bfloat16", "float32"], default="auto",
-                    help="the drafter's training products: bfloat16 (autocast; float32 weights, optimiser and losses), "
-                    "float32, or auto (the default): bfloat16 where the CPU computes it natively (2.3 times the "
-                    "steps a second of float32 on one Zen 4 core)")
-    pr.add_argument("--weights", choices=list(WEIGHTS_CHOICES), default="auto",
-                    help="the weights the target computes from while preparing: auto (the default) is what "
-                    "its default stacks compute from (int8 weights and 8-bit activations for the embedded "
-                    "default), so the drafter learns the continuations and features it will meet")
+    _precision_and_weights(pr)
 
     tr = command(sub, cmd_train_drafter, "train-drafter", target=True,
         help="collect target features on ShareGPT train and train the drafter")
@@ -158,13 +164,7 @@ def register(sub) -> None:
     tr.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="the target's dtype for collection and fused features: auto is bfloat16 where the "
                     "CPU computes it natively (2-3x faster prefills there), else float32")
-    tr.add_argument("--precision", choices=["auto", "bfloat16", "float32"], default="auto",
-                    help="the drafter's training products: bfloat16 (autocast; float32 weights, optimiser and losses), "
-                    "float32, or auto (the default): bfloat16 where the CPU computes it natively (2.3 times the "
-                    "steps a second of float32 on one Zen 4 core)")
-    tr.add_argument("--weights", choices=list(WEIGHTS_CHOICES), default="auto",
-                    help="the weights the target computes from (auto: what its default stacks use); "
-                    "collection generates several sequences per pass of the target where it can")
+    _precision_and_weights(tr)
     tr.add_argument("--init", metavar="DRAFTER", default=None,
                     help="start from this drafter's weights (a folder, or a built-in name such as "
                     "gemma3-270m) instead of random ones: more training on more data; its architecture "
