@@ -31,3 +31,20 @@ def barrier(world: int) -> None:
         import torch.distributed as dist
 
         dist.barrier()
+
+
+def share(tensors: tuple[torch.Tensor, ...] | None, owner: int, world: int) -> tuple[torch.Tensor, ...]:
+    """``tensors`` of process ``owner`` on every process (the others pass None): each tensor's
+    dtype and shape first, then its bytes (which every backend sends, bfloat16 or not)."""
+    if world <= 1:
+        return tensors
+    import torch.distributed as dist
+
+    box = [None if tensors is None else [(t.dtype, tuple(t.shape)) for t in tensors]]
+    dist.broadcast_object_list(box, src=owner)
+    out = []
+    for k, (dtype, shape) in enumerate(box[0]):
+        t = tensors[k].contiguous() if tensors is not None else torch.empty(shape, dtype=dtype)
+        dist.broadcast(t.reshape(-1).view(torch.uint8), src=owner)
+        out.append(t)
+    return tuple(out)

@@ -35,6 +35,18 @@ def router_examples(shard: dict[str, torch.Tensor], embed, assignment: torch.Ten
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(E(x_p) [N, d], h_{p-1} [N, d], cluster label [N]) over the continuation positions. With
     ``in_core`` (a vocabulary mask), next tokens in the core get the extra label ``M`` (= clusters).
+    See :func:`example_rows`, which gives the token ``x_p`` in place of its embedding."""
+    ids, prev, labels = example_rows(shard, embed, assignment, drafter, in_core, fused)
+    return embed(ids).float() if len(ids) else prev.new_zeros(prev.shape), prev, labels
+
+
+@torch.no_grad()
+def example_rows(shard: dict[str, torch.Tensor], embed, assignment: torch.Tensor,
+                 drafter: Drafter | None, in_core: torch.Tensor | None = None, fused=None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_p [N], h_{p-1} [N, d], cluster label [N]) over the continuation positions: the router's
+    examples with the token in place of its embedding ``E(x_p)``, which a lookup gives back when a
+    batch needs it (a tenth of the memory of the examples with their embeddings kept).
 
     A drafter that reads fused target layers (EAGLE-3) needs ``fused``: token ids [T] -> the fused
     features [T, k*d] of that sequence (the shards keep only the last layer). Its examples see what
@@ -42,7 +54,7 @@ def router_examples(shard: dict[str, torch.Tensor], embed, assignment: torch.Ten
     tokens, feats = shard["tokens"].long(), shard["features"]
     teacher = shard.get("teacher")  # raw-text shards: the target's greedy next token everywhere
     offs = shard["offsets"].tolist()
-    embs, prevs, labels = [], [], []
+    ids, prevs, labels = [], [], []
     core_label = int(assignment.max()) + 1  # the class after the last cluster
     for k, plen in enumerate(shard["prompt_lens"].tolist()):
         a, b = offs[k], offs[k + 1]
@@ -53,7 +65,6 @@ def router_examples(shard: dict[str, torch.Tensor], embed, assignment: torch.Ten
             continue
         p = torch.arange(first, b - a - 1)
         nxt = teacher[a:b].long()[p] if teacher is not None else seq[p + 1]
-        e = embed(seq).float()
         if "layer_inputs" in shard:  # computed once for a drafter with fused features
             f = torch.cat([shard["layer_inputs"][a:b], feats[a:b]], dim=-1).float()
         elif drafter is not None and drafter.feature_layers is not None:
@@ -61,19 +72,19 @@ def router_examples(shard: dict[str, torch.Tensor], embed, assignment: torch.Ten
         variants = [f[p - 1] if drafter is None else drafter.project(f[p - 1]).float()]
         if drafter is not None:
             pos = torch.arange(1, b - a)[None]
-            pred = drafter(e[1:][None], f[:-1][None], pos)[0]  # pred[j] ~ f[j + 1]
+            pred = drafter(embed(seq[1:]).float()[None], f[:-1][None], pos)[0]  # pred[j] ~ f[j + 1]
             variants.append(pred[p - 2].float())
         label = assignment[nxt].long()
         if in_core is not None:
             label = torch.where(in_core[nxt], core_label, label)
         for prev in variants:
-            embs.append(e[p])
+            ids.append(seq[p])
             prevs.append(prev)
             labels.append(label)
-    if not embs:
+    if not ids:
         d = feats.shape[1]
-        return torch.zeros(0, d), torch.zeros(0, d), torch.zeros(0, dtype=torch.long)
-    return torch.cat(embs), torch.cat(prevs), torch.cat(labels)
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, d), torch.zeros(0, dtype=torch.long)
+    return torch.cat(ids), torch.cat(prevs), torch.cat(labels)
 
 
 def recall_at(logits: torch.Tensor, labels: torch.Tensor, ks: list[int],
@@ -116,13 +127,23 @@ def train_router(shards: list[Path], embed, assignment: torch.Tensor, clusters: 
         in_core = torch.zeros(len(assignment), dtype=torch.bool)
         in_core[core_ids.long()] = True
         in_core[list(special_ids)] = True
-    data = [router_examples(load_shard(p, layers), embed, assignment, drafter, in_core, fused)
-            for p in tqdm(shards, desc="examples", unit="shard", file=sys.stderr)]
-    train_parts, held = data[:-holdout], data[-holdout:]
-    e = torch.cat([d[0] for d in train_parts]).to(torch.bfloat16)
-    h = torch.cat([d[1] for d in train_parts]).to(torch.bfloat16)
-    y = torch.cat([d[2] for d in train_parts])
     rank, world = distributed.join()
+
+    def rows(path: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, h, y = example_rows(load_shard(path, layers), embed, assignment, drafter, in_core, fused)
+        return x, h.to(torch.bfloat16), y
+
+    # the train shards' examples: shard i built by process i % world and sent to the others, so
+    # every process holds them all (the batches take rows anywhere) but builds only its share
+    train_parts = []
+    for i, path in enumerate(tqdm(shards[:-holdout], desc="examples", unit="shard", file=sys.stderr,
+                                  disable=rank != 0)):
+        part = rows(path) if i % world == rank else None
+        train_parts.append(distributed.share(part, i % world, world))
+    x = torch.cat([d[0] for d in train_parts])
+    h = torch.cat([d[1] for d in train_parts])
+    y = torch.cat([d[2] for d in train_parts])
+    del train_parts
     router = Router(RouterConfig(hidden_size=hidden_size, width=width, clusters=clusters,
                                  core_class=core_index is not None))
     model = distributed.wrap(router, world)  # several processes: each takes rows rank::world of a batch
@@ -138,7 +159,8 @@ def train_router(shards: list[Path], embed, assignment: torch.Tensor, clusters: 
         for s in range(0, len(y) - batch + 1, batch):
             idx = idx_all[s:s + batch]
             mine = idx[rank::world]
-            logits = model(e[mine].float(), h[mine].float())
+            # the embeddings as the examples held them before tokens replaced them: bfloat16
+            logits = model(embed(x[mine]).to(torch.bfloat16).float(), h[mine].float())
             # this process's share of the batch mean, times world: DDP averages the gradients
             loss = F.cross_entropy(logits, y[mine], reduction="sum") / len(idx) * world
             opt.zero_grad(set_to_none=True)
@@ -150,6 +172,8 @@ def train_router(shards: list[Path], embed, assignment: torch.Tensor, clusters: 
     bar.close()
     router.eval()
     with torch.no_grad():
+        held = [router_examples(load_shard(path, layers), embed, assignment, drafter, in_core, fused)
+                for path in shards[-holdout:]]
         he = torch.cat([d[0] for d in held])
         hh = torch.cat([d[1] for d in held])
         hy = torch.cat([d[2] for d in held])
