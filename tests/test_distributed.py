@@ -98,7 +98,8 @@ def test_prepare_under_torchrun_builds_what_one_process_builds(tmp_path):
 
     common = ["prepare", "--target", "tiny-llama", "--prompts", "8", "--shard-size", "2", "--source", "generated",
               "--new-tokens", "16", "--steps", "12", "--batch-positions", "128", "--router-width", "16",
-              "--threads", "1", "--precision", "float32"]  # bfloat16 products round a split batch otherwise
+              "--threads", "1", "--precision", "float32",  # bfloat16 products round a split batch otherwise
+              "--unroll", "3"]
     _run([*common, "--out", "one"], 1, tmp_path)
     _run([*common, "--out", "two"], 2, tmp_path)
     one, two = shard_paths(tmp_path / "one" / "work"), shard_paths(tmp_path / "two" / "work")
@@ -108,6 +109,8 @@ def test_prepare_under_torchrun_builds_what_one_process_builds(tmp_path):
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
     manifest = json.loads((tmp_path / "two" / "prepare.json").read_text())
     assert sorted(manifest["stages"]) == sorted(["collect", "drafter", "frequency", "clusters", "router", "stack"])
+    assert manifest["budget"]["unroll"] == 3
+    assert json.loads((tmp_path / "two" / "drafter" / "drafter.json").read_text())["training"]["unroll"] == 3
     w1 = _weights(tmp_path / "one" / "work" / "ckpt-drafter", "checkpoint.safetensors")
     w2 = _weights(tmp_path / "two" / "work" / "ckpt-drafter", "checkpoint.safetensors")
     assert all(torch.allclose(w1[k], w2[k], atol=1e-5, rtol=1e-4) for k in w1)

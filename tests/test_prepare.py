@@ -158,13 +158,14 @@ def test_init_continues_the_prepared_drafter_on_the_answers(prepared, tmp_path):
     again = tmp_path / "again"
     shutil.copytree(out, again)
     first = json.loads((out / "drafter" / "drafter.json").read_text())["training"]
-    budget = attrs.evolve(BUDGET, steps=40, loss_on="answer")
+    budget = attrs.evolve(BUDGET, steps=40, loss_on="answer", unroll=3)
     # --redo drafter clears ./drafter: the drafter it starts from was loaded before that
     manifest = prepare("tiny-llama", again, budget=budget, redo=("drafter",), only=("drafter",),
                        init=str(again / "drafter"), command="init")
     assert manifest["stages"]["drafter"]["command"] == "init"
     training = json.loads((again / "drafter" / "drafter.json").read_text())["training"]
     assert training["loss_on"] == "answer"
+    assert training["unroll"] == 3 and first["unroll"] == 2  # --unroll reaches the training
     assert training["init"]["training"]["steps"] == first["steps"]  # the record it started from
     assert training["steps"] == 40  # a schedule of its own, not the first run's checkpoint resumed
     spec, plain = _plain_and_spec(again / "stack.toml")
