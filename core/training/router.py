@@ -133,13 +133,13 @@ def train_router(shards: list[Path], embed, assignment: torch.Tensor, clusters: 
         x, h, y = example_rows(load_shard(path, layers), embed, assignment, drafter, in_core, fused)
         return x, h.to(torch.bfloat16), y
 
-    # the train shards' examples: shard i built by process i % world and sent to the others, so
-    # every process holds them all (the batches take rows anywhere) but builds only its share
-    train_parts = []
-    for i, path in enumerate(tqdm(shards[:-holdout], desc="examples", unit="shard", file=sys.stderr,
-                                  disable=rank != 0)):
-        part = rows(path) if i % world == rank else None
-        train_parts.append(distributed.share(part, i % world, world))
+    # the train shards' examples: shard i built by process i % world, all at once, then sent to
+    # the others, so every process holds them all (the batches take rows anywhere) but builds only
+    # its share
+    paths = shards[:-holdout]
+    mine = {i: rows(path) for i, path in enumerate(tqdm(paths, desc="examples", unit="shard", file=sys.stderr,
+                                                        disable=rank != 0)) if i % world == rank}
+    train_parts = [distributed.share(mine.pop(i, None), i % world, world) for i in range(len(paths))]
     x = torch.cat([d[0] for d in train_parts])
     h = torch.cat([d[1] for d in train_parts])
     y = torch.cat([d[2] for d in train_parts])
