@@ -107,6 +107,10 @@ def run() -> None:
     torch loaded it takes 0.8-1 s here, a third of a warm start, and frees nothing the operating
     system would not."""
     code = main()
+    if "torch.distributed" in sys.modules:  # a command run under torchrun: leave its process group
+        from dynaspec.training.distributed import leave
+
+        leave()
     if len(sys.argv) > 1 and sys.argv[1] in _QUICK_EXIT and os.environ.get("DYNASPEC_QUICK_EXIT", "1") != "0":
         for stream in (sys.stdout, sys.stderr):
             try:

@@ -20,6 +20,16 @@ def join() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def leave() -> None:
+    """Leave the process group, if this process joined one: a process that exits with gloo's
+    threads still running may abort in the C++ runtime's teardown ("terminate called without an
+    active exception") after all its work is done."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def wrap(model: torch.nn.Module, world: int) -> torch.nn.Module:
     """``model`` in DistributedDataParallel when there are several processes (gradients averaged)."""
     return torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
