@@ -45,8 +45,8 @@ def example_rows(shard: dict[str, torch.Tensor], embed, assignment: torch.Tensor
                  drafter: Drafter | None, in_core: torch.Tensor | None = None, fused=None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x_p [N], h_{p-1} [N, d], cluster label [N]) over the continuation positions: the router's
-    examples with the token in place of its embedding ``E(x_p)``, which a lookup gives back when a
-    batch needs it (a tenth of the memory of the examples with their embeddings kept).
+    examples with the token in place of its embedding ``E(x_p)`` (8 bytes, not a row of d floats),
+    which a lookup gives back when a batch needs it.
 
     A drafter that reads fused target layers (EAGLE-3) needs ``fused``: token ids [T] -> the fused
     features [T, k*d] of that sequence (the shards keep only the last layer). Its examples see what
@@ -137,9 +137,9 @@ def train_router(shards: list[Path], embed, assignment: torch.Tensor, clusters: 
     # the others, so every process holds them all (the batches take rows anywhere) but builds only
     # its share
     paths = shards[:-holdout]
-    mine = {i: rows(path) for i, path in enumerate(tqdm(paths, desc="examples", unit="shard", file=sys.stderr,
-                                                        disable=rank != 0)) if i % world == rank}
-    train_parts = [distributed.share(mine.pop(i, None), i % world, world) for i in range(len(paths))]
+    built = {i: rows(path) for i, path in enumerate(tqdm(paths, desc="examples", unit="shard", file=sys.stderr,
+                                                         disable=rank != 0)) if i % world == rank}
+    train_parts = [distributed.share(built.pop(i, None), i % world, world) for i in range(len(paths))]
     x = torch.cat([d[0] for d in train_parts])
     h = torch.cat([d[1] for d in train_parts])
     y = torch.cat([d[2] for d in train_parts])
