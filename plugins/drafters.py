@@ -33,6 +33,12 @@ def _load(artifact: str, ctx: DrafterContext, *, eagle_only: bool):
 
     if ctx.model is not None:  # loaded by the caller: loading checks the rest
         check_drafter_shape(ctx.model.cfg, ctx.target.fingerprint(), what=f"drafter '{artifact}'")
+        where = next(ctx.model.parameters()).device
+        if where.type != ctx.target.device.type:
+            from dynaspec.errors import ConfigError
+
+            raise ConfigError(f"the drafter given for '{artifact}' is on {where}, its target on "
+                              f"{ctx.target.device}: move it first (drafter.to({str(ctx.target.device)!r}))")
         return ctx.model
     key = ("drafter", artifact)
     if key not in ctx.models:

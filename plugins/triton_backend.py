@@ -50,6 +50,7 @@ class TritonBackend:
         self.weight = weight.contiguous()
         self.block_n, self.block_d = block_n, block_d
         self.calls = 0
+        self._ieee = weight.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
         self._all_ids: torch.Tensor | None = None
 
     def _ids(self, shortlist: Shortlist) -> torch.Tensor:
@@ -62,9 +63,10 @@ class TritonBackend:
     def _launch(self, hidden: torch.Tensor, ids: torch.Tensor):
         import triton
 
-        hidden = hidden.to(self.weight.device, torch.float32).contiguous()
+        # the products take the weight's dtype, as the torch backend's do (float32 accumulation)
+        hidden = hidden.to(self.weight.device, self.weight.dtype).contiguous()
         r, n = hidden.shape[0], ids.numel()
-        block_r = max(1, min(16, triton.next_power_of_2(r)))
+        block_r = max(16, min(64, triton.next_power_of_2(r)))  # tl.dot's tiles are at least 16 wide
         grid = (triton.cdiv(max(n, 1), self.block_n), triton.cdiv(r, block_r))
         return hidden, r, n, block_r, grid
 
@@ -76,7 +78,7 @@ class TritonBackend:
         if n:
             _kernels()[0][grid](hidden, self.weight, ids, out, r, n, hidden.shape[1], hidden.stride(0),
                                 self.weight.stride(0), out.stride(0), BLOCK_R=block_r, BLOCK_N=self.block_n,
-                                BLOCK_D=self.block_d)
+                                BLOCK_D=self.block_d, IEEE=self._ieee)
         return out
 
     def max_logit(self, hidden: torch.Tensor, shortlist: Shortlist) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -93,7 +95,7 @@ class TritonBackend:
         lse = torch.empty(r, nb, device=dev, dtype=torch.float32)
         _kernels()[1][grid](hidden, self.weight, ids, mx, arg, lse, r, n, hidden.shape[1], hidden.stride(0),
                             self.weight.stride(0), nb, BLOCK_R=block_r, BLOCK_N=self.block_n,
-                            BLOCK_D=self.block_d)
+                            BLOCK_D=self.block_d, IEEE=self._ieee)
         best, block = mx.max(dim=1)
         col = arg.gather(1, block[:, None])[:, 0].long()
         return best, ids.long()[col], torch.logsumexp(lse, dim=1)

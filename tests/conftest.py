@@ -7,8 +7,11 @@ import os
 import tempfile
 
 # Triton reads TRITON_INTERPRET when it is imported: on a machine without a GPU its kernels can
-# only run under the interpreter, so set it before anything imports triton.
-os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("DYNASPEC_TRITON_ON_GPU") else "1")
+# only run under the interpreter, so set it before anything imports triton. With a CUDA GPU they
+# compile for it (tests/test_cuda.py); DYNASPEC_TRITON_ON_GPU=1 asks for that explicitly.
+# (Importing torch does not import triton.)
+os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("DYNASPEC_TRITON_ON_GPU")
+                      or __import__("torch").cuda.is_available() else "1")
 # targets load in full, their Hugging Face model at hand (tests/test_image.py turns images on)
 os.environ.setdefault("DYNASPEC_IMAGES", "0")
 # the numerics probe's verdicts go to a file of this test run, never into the user's cache

@@ -53,3 +53,21 @@ def test_bench_head_cli_writes_json_and_plot(tmp_path, tiny_spec_stack):
     assert len(report["results"]) == 2 * 2  # two default backends, two sizes
     assert report["draft_step_breakdown"]["spec"]["draft_steps"] > 0
     assert (tmp_path / "out" / "bench_head.png").stat().st_size > 1000
+
+
+def test_bench_head_times_a_random_head_of_a_given_shape(tmp_path):
+    code = main(["bench-head", "--head-shape", "3000", "48", "--sizes", "100", "5000", "--rows", "1", "3",
+                 "--dtypes", "bf16", "--repeats", "1", "--backends", "torch", "--out", str(tmp_path / "out")])
+    assert code == 0
+    report = json.loads((tmp_path / "out" / "bench_head.json").read_text())
+    assert report["head_shape"] == [3000, 48] and report["device"] == "cpu"
+    # sizes beyond the vocabulary are clipped to the whole head
+    assert sorted({(r["rows"], r["size"]) for r in report["results"]}) == [(1, 100), (1, 3000), (3, 100), (3, 3000)]
+
+
+def test_bench_head_refuses_bad_shapes_and_missing_devices(tmp_path, capsys):
+    assert main(["bench-head", "--head-shape", "0", "48", "--out", str(tmp_path / "a")]) != 0
+    assert "--head-shape needs two positive sizes" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench-head", "--head-shape", "100", "8", "--device", "cuda", "--out", str(tmp_path / "b")]) != 0
+        assert "device 'cuda'" in capsys.readouterr().err

@@ -283,3 +283,13 @@ def test_adaptive_engine_decodes_plainly_when_drafts_fail_and_stays_exact(kind):
     prompt = _repeating_prompts()[0]
     result = trained.generate(prompt, max_new_tokens=40)
     assert result.token_ids == reference_greedy(kind, prompt, 40)
+
+
+def test_a_drafter_given_on_another_device_than_its_target_is_refused():
+    import copy
+
+    from conftest import make_engine
+
+    elsewhere = copy.deepcopy(trained_drafter("llama")).to("meta")
+    with pytest.raises(ConfigError, match=r"is on meta, its target on cpu: move it first"):
+        make_engine("llama", elsewhere, builtin_registry())

@@ -55,6 +55,10 @@ def register(sub) -> None:
     bh.add_argument("--rows", type=int, nargs="+", default=[1, 10], help="1 token and a tree-sized batch")
     bh.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
     bh.add_argument("--repeats", type=int, default=7)
+    bh.add_argument("--device", default="cpu", help="where the head is timed: cpu or cuda[:N] (default: %(default)s)")
+    bh.add_argument("--head-shape", type=int, nargs=2, metavar=("VOCAB", "HIDDEN"),
+                    help="time a random head of this shape instead of the target's (no model is loaded; "
+                    "e.g. 262144 640 for Gemma 3's, 151936 896 for Qwen2.5-0.5B's)")
     bh.add_argument("--breakdown", nargs="*", metavar="STACK", default=[],
                     help="also time whole generations of these stacks (first = reference) and print ms "
                     "per draft step split into embed, draft core, router and head GEMM")
@@ -129,7 +133,7 @@ def cmd_bench_head(args: argparse.Namespace) -> int:
     run(args.target, Path(args.out), backends=args.backends, sizes=args.sizes, rows=args.rows,
         dtypes=args.dtypes, repeats=args.repeats, breakdown=args.breakdown,
         breakdown_prompts=args.breakdown_prompts, breakdown_tokens=args.breakdown_tokens,
-        overrides=overrides(args))
+        overrides=overrides(args), device=args.device, head_shape=args.head_shape)
     return 0
 
 

@@ -20,68 +20,82 @@ import torch
 from dynaspec.runtime.types import BuildContext, Shortlist
 
 
-def copy_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device) -> float:
+    """Seconds for one call of ``fn``, the device's queued work included."""
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def copy_bandwidth(megabytes: int = 256, repeats: int = 5, device: str | torch.device = "cpu") -> float:
     """Bytes per second moved by a large copy (read + write counted)."""
-    src = torch.empty(megabytes * (1 << 20) // 4, dtype=torch.float32).uniform_()
+    device = torch.device(device)
+    src = torch.empty(megabytes * (1 << 20) // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
+    dst.copy_(src)  # warm-up: first-touch pages, lazy initialisation
+    times = [_timed(lambda: dst.copy_(src), device) for _ in range(repeats)]
     return 2 * src.numel() * 4 / statistics.median(times)
 
 
-def read_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+def read_bandwidth(megabytes: int = 256, repeats: int = 5, device: str | torch.device = "cpu") -> float:
     """Bytes per second read by a streaming reduction (what a memory-bound GEMV can reach)."""
-    src = torch.empty(megabytes * (1 << 20) // 4, dtype=torch.float32).uniform_()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        src.sum()
-        times.append(time.perf_counter() - start)
+    device = torch.device(device)
+    src = torch.empty(megabytes * (1 << 20) // 4, dtype=torch.float32, device=device).uniform_()
+    src.sum()
+    times = [_timed(src.sum, device) for _ in range(repeats)]
     return src.numel() * 4 / statistics.median(times)
 
 
 def bench_head(weight: torch.Tensor, backends: dict[str, Any], sizes: Sequence[int], rows: Sequence[int],
-               dtypes: Sequence[torch.dtype], *, repeats: int = 7, seed: int = 0) -> dict[str, Any]:
-    """Median seconds per head product for every (dtype, rows, size, backend)."""
+               dtypes: Sequence[torch.dtype], *, repeats: int = 7, seed: int = 0,
+               device: str | torch.device = "cpu") -> dict[str, Any]:
+    """Median seconds per head product for every (dtype, rows, size, backend), on ``device`` (the
+    weights, hidden states and shortlists placed there; a GPU's queue is drained around each call)."""
     from dynaspec.runtime.registry import default_registry
 
+    device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     vocab, d = weight.shape
-    layout = torch.randperm(vocab, generator=gen)
-    copy_bw = copy_bandwidth()
-    bandwidth = read_bandwidth()
+    layout = torch.randperm(vocab, generator=gen).to(device)
+    copy_bw = copy_bandwidth(device=device)
+    bandwidth = read_bandwidth(device=device)
     results = []
     for dtype in dtypes:
-        w = weight.detach().to(dtype).contiguous()
+        w = weight.detach().to(device=device, dtype=dtype).contiguous()
         ctx = BuildContext(vocab_size=vocab, hidden_size=d, lm_head_weight=w, special_token_ids=(),
                            target_fingerprint={}, head_layout=layout)
         built = {name: default_registry().build("backend", name, {}, ctx) for name in backends}
         for r in rows:
-            hidden = torch.randn(r, d, generator=gen)
+            hidden = torch.randn(r, d, generator=gen).to(device)
             for size in sizes:
                 size = min(size, vocab)
                 shortlist = Shortlist(layout[:size], spans=((0, size),)) if size < vocab else Shortlist.full()
                 timings: dict[str, list[float]] = {name: [] for name in built}
+                for backend in built.values():  # warm-up: a GPU kernel compiles on its first call
+                    backend.logits(hidden, shortlist)
                 for _ in range(repeats):
                     for name, backend in built.items():  # interleaved: noise hits all alike
-                        start = time.perf_counter()
-                        backend.logits(hidden, shortlist)
-                        timings[name].append(time.perf_counter() - start)
+                        timings[name].append(_timed(lambda b=backend, h=hidden, s=shortlist: b.logits(h, s),
+                                                    device))
                 bound = size * d * w.element_size() / bandwidth
                 for name, ts in timings.items():
                     results.append({"dtype": str(dtype).replace("torch.", ""), "rows": r, "size": size,
                                     "backend": name, "seconds": statistics.median(ts), "bound": bound})
     return {"bandwidth_bytes_per_s": bandwidth, "copy_bandwidth_bytes_per_s": copy_bw,
-            "threads": torch.get_num_threads(), "results": results}
+            "threads": torch.get_num_threads(), "device": str(device), "results": results}
 
 
 def format_table(report: dict[str, Any]) -> str:
     lines = [f"read bandwidth (the bound): {report['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; "
              f"copy bandwidth (read+write): {report.get('copy_bandwidth_bytes_per_s', 0) / 1e9:.1f} GB/s; "
-             f"threads: {report.get('threads', '?')}",
+             f"threads: {report.get('threads', '?')}; device: {report.get('device', 'cpu')}",
              "| dtype | rows | shortlist | backend | ms (median) | bandwidth bound ms | x bound |",
              "|---|---|---|---|---|---|---|"]
     for r in report["results"]:
@@ -161,19 +175,33 @@ def format_breakdown(report: dict[str, Any]) -> str:
 
 def run(target_ref: str, out, *, backends: Sequence[str], sizes: Sequence[int], rows: Sequence[int],
         dtypes: Sequence[str], repeats: int, breakdown: Sequence[str] = (), breakdown_prompts: int = 4,
-        breakdown_tokens: int = 48, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        breakdown_tokens: int = 48, overrides: dict[str, Any] | None = None, device: str = "cpu",
+        head_shape: Sequence[int] | None = None) -> dict[str, Any]:
     """``dynaspec bench-head``: time the head per backend (and optionally whole generations), print
-    the tables and write ``bench_head.json`` and ``bench_head.png`` to ``out``."""
+    the tables and write ``bench_head.json`` and ``bench_head.png`` to ``out``. ``head_shape``
+    (vocabulary, hidden size) times a random head of that shape instead of the target's."""
     import json
     import sys
     from pathlib import Path
 
+    from dynaspec.errors import ConfigError
     from dynaspec.runtime.files import atomic_write
+    from dynaspec.runtime.target import check_device
     from dynaspec.runtime.targets import load_target
 
-    target = load_target(target_ref)
+    check_device(device)
+    if head_shape is not None:
+        vocab, hidden = head_shape
+        if vocab < 1 or hidden < 1:
+            raise ConfigError(f"--head-shape needs two positive sizes (vocabulary, hidden), got {vocab} {hidden}")
+        if breakdown:
+            raise ConfigError("--breakdown times a target's stacks; it cannot run with --head-shape")
+        weight = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0)) * hidden ** -0.5
+    else:
+        weight = load_target(target_ref).lm_head_weight
     torch_dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in dtypes]
-    report = bench_head(target.lm_head_weight, backends, sizes, rows, torch_dtypes, repeats=repeats)
+    report = bench_head(weight, backends, sizes, rows, torch_dtypes, repeats=repeats, device=device)
+    report["head_shape"] = list(weight.shape)
     print(format_table(report))
     if breakdown:
         from dynaspec.evaluation.bench import parse_questions
