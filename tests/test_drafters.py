@@ -265,12 +265,76 @@ def test_gate_falls_back_to_plain_steps_and_looks_again():
     assert gate.backoff == MAX_BACKOFF
 
 
+def test_verification_cost_by_rows_is_measured_interpolated_and_extended():
+    from dynaspec.runtime.gate import PlainCost
+
+    costs = PlainCost()
+    assert costs.verification(3) is None
+    costs.record_plain(0.020)
+    assert costs.verification(1) == pytest.approx(0.020) and costs.verification(4) == pytest.approx(0.020)
+    costs.record_verification(0.026, rows=4)
+    assert costs.verification(4) == pytest.approx(0.026)
+    assert costs.verification(2) == pytest.approx(0.022)  # between 1 and 4 rows
+    assert costs.verification(7) == pytest.approx(0.032)  # along the line from 1 row to 4
+    costs.record_verification(0.030, rows=4)
+    assert costs.verification(4) == pytest.approx(0.028)  # an average of the measurements
+
+
+def _planner(plain=0.020, step=0.004, per_row=0.001):
+    from dynaspec.runtime.gate import CostPlanner, PlainCost
+
+    costs = PlainCost()
+    costs.record_plain(plain)
+    for rows in range(2, 8):
+        costs.record_verification(plain + per_row * (rows - 1), rows=rows)
+    costs.record_draft(step, 1)
+    return CostPlanner(costs)
+
+
+def test_cost_planner_drafts_deep_when_drafts_are_accepted_and_stops_where_they_are_not():
+    from dynaspec.runtime.gate import FIRST_BACKOFF
+
+    planner = _planner()
+    assert planner.cap(5) is None  # nothing verified yet: draft as the stack says
+    for _ in range(6):  # positions 1-2 always accepted, 3 never
+        planner.record(drafted=True, seconds=0.040, verify_seconds=0.024, rows=6, draft_seconds=0.016,
+                       reached=5, accepted=2)
+    assert planner.acceptance(3)[0] > 0.9 and planner.acceptance(3)[2] < 0.3
+    assert planner.cap(5) == 2
+    # a generation whose drafts all fail: plain steps, then a look, then a longer wait
+    failing = _planner()
+    failing.costs = planner.costs
+    failed = 0
+    while failing.cap(5) != 0:
+        failing.record(drafted=True, seconds=0.030, verify_seconds=0.022, rows=3, draft_seconds=0.008,
+                       reached=2, accepted=0)
+        failed += 1
+        assert failed < 8
+    # the earlier generation's acceptance (a prior of 2 cycles) is outweighed after a few failures
+    assert 2 <= failed <= 5 and failing.wait == FIRST_BACKOFF
+    for _ in range(FIRST_BACKOFF):
+        failing.record(drafted=False, seconds=0.021, verify_seconds=0.020)
+    assert failing.cap(5) is None  # the look drafts as the stack says
+    failing.record(drafted=True, seconds=0.030, verify_seconds=0.022, rows=3, draft_seconds=0.008,
+                   reached=2, accepted=0)
+    assert failing.backoff == 2 * FIRST_BACKOFF
+    assert failing.cap(5) == 0 and failing.wait == 2 * FIRST_BACKOFF
+
+
+def test_cost_planner_drafts_nothing_where_a_draft_step_costs_more_than_it_can_gain():
+    planner = _planner(plain=0.020, step=0.030)  # a draft step dearer than a plain step
+    planner.record(drafted=True, seconds=0.060, verify_seconds=0.022, rows=3, draft_seconds=0.060,
+                   reached=2, accepted=1)
+    assert planner.cap(5) == 0
+
+
+@pytest.mark.parametrize("planner", ["rate", "cost"])
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
-def test_adaptive_engine_decodes_plainly_when_drafts_fail_and_stays_exact(kind):
+def test_adaptive_engine_decodes_plainly_when_drafts_fail_and_stays_exact(kind, planner):
     from conftest import random_drafter
 
     registry = builtin_registry()
-    fields = {"draft": {"mode": "chain", "depth": 4, "adaptive": True}}
+    fields = {"draft": {"mode": "chain", "depth": 4, "adaptive": True, "planner": planner}}
     engine = make_engine(kind, random_drafter(kind), registry, drafter="in-memory", **fields)
     prompt = [5, 9, 13, 21]
     result = engine.generate(prompt, max_new_tokens=60)

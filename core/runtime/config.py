@@ -98,6 +98,15 @@ class DraftConfig:
     #: when drafting is slower, and drafts again now and then to see whether it pays again (see
     #: :class:`dynaspec.runtime.gate.DraftGate`). Output is the same either way.
     adaptive: bool = attrs.field(default=False)
+    #: How ``adaptive`` decides: "rate" drafts or not by comparing the drafted cycles' measured
+    #: tokens per second with plain steps'; "cost" also chooses each cycle's depth, from the
+    #: measured costs of a draft step, a verification by rows and a plain step against this
+    #: generation's acceptance per draft position (:class:`dynaspec.runtime.gate.CostPlanner`).
+    planner: str = attrs.field(default="rate")
+
+    @planner.validator
+    def _planner(self, _attribute, value):
+        _check("draft.planner", value in ("rate", "cost"), value, "must be 'rate' or 'cost'")
 
     @adaptive.validator
     def _adaptive(self, _attribute, value):

@@ -20,7 +20,7 @@ from dynaspec.runtime import numerics
 from dynaspec.runtime.config import StackConfig
 from dynaspec.runtime.drafter import Drafter
 from dynaspec.runtime.drafters import DrafterContext, DraftSource, build_drafter, grow_within
-from dynaspec.runtime.gate import DepthControl, DraftGate, PlainCost
+from dynaspec.runtime.gate import CostPlanner, DepthControl, DraftGate, PlainCost
 from dynaspec.runtime.protocols import DecodeParams, ShortlisterCapabilities, capabilities
 from dynaspec.runtime.registry import Registry, default_registry
 from dynaspec.runtime.stats import GenerationStats
@@ -496,13 +496,22 @@ class Engine:
         chunk, done = self._finish([first], 0, max_new)
         produced = len(chunk)
         yield chunk
-        gate = DraftGate(self.plain_cost) if self.stack.draft.adaptive else None
+        gate = planner = None
+        if self.stack.draft.adaptive and self.stack.draft.planner == "cost":
+            planner = CostPlanner(self.plain_cost)
+        elif self.stack.draft.adaptive:
+            gate = DraftGate(self.plain_cost)
         while not done:
             root_pos = n - 1
             started = time.perf_counter()
             limit = control.limit if control is not None else None
+            if planner is not None:
+                cap = planner.cap(source.max_depth)
+                limit = limit if cap is None else cap if limit is None else min(limit, cap)
+            draft_seconds = 0.0
             if limit != 0 and (gate is None or gate.draft_now()):
                 tree = grow_within(session, tokens, features, n, params, verifier, generator, stats, limit)
+                draft_seconds = time.perf_counter() - started
             else:
                 tree = DraftTree.with_root(int(tokens[root_pos]))
             with stats.verification():
@@ -542,6 +551,11 @@ class Engine:
             if gate is not None:
                 gate.record(drafted=drafted, tokens=len(committed), seconds=time.perf_counter() - started,
                             verify_seconds=stats.verify_times[-1])
+            if planner is not None:
+                planner.record(drafted=drafted, seconds=time.perf_counter() - started,
+                               verify_seconds=stats.verify_times[-1], rows=len(tree),
+                               draft_seconds=draft_seconds, reached=reached if drafted else 0,
+                               accepted=len(path))
             chunk, done = self._finish(committed, produced, max_new)
             stats.accepted_lengths.append(len(chunk))  # what this cycle added to the output
             produced += len(chunk)

@@ -16,6 +16,14 @@ While the drafted rate stays below the plain rate, the gate takes ``backoff`` pl
 drafts one cycle again to look; each failed look doubles ``backoff`` (up to ``MAX_BACKOFF``), and a
 look that pays resets it. When drafting pays, the gate only compares two numbers per cycle.
 
+That is ``draft.planner = "rate"``. ``draft.planner = "cost"`` (:class:`CostPlanner`) decides
+each cycle's depth, not only whether to draft, from a cost model: the machine's measured costs (a
+plain step, a verification by the number of rows, a draft step) against the expected tokens of a
+chain capped at each depth, from this generation's acceptance per draft position (with the
+engine's earlier generations as a prior). It drafts where it expects more tokens per second than
+a plain step gives, at the depth that expects the most, and looks again after backing off as the
+rate planner does.
+
 The constants were chosen on train prompts (``dynaspec bench`` over the training questions), never
 on the prompts the results report.
 """
@@ -34,22 +42,65 @@ WARMUP = 2
 FIRST_BACKOFF, MAX_BACKOFF = 4, 64
 
 
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - ALPHA) * old + ALPHA * new
+
+
 class PlainCost:
-    """The plain step's time on this machine, shared by an engine's generations."""
+    """What steps cost on this machine, shared by an engine's generations: the plain step, and
+    for the cost planner a verification by its number of rows, a draft step, and the acceptance
+    per draft position over every generation so far."""
 
     def __init__(self) -> None:
         self.seconds: float | None = None  # measured plain steps
         self.bound: float | None = None  # the shortest verification seen: an upper bound
+        self.by_rows: dict[int, float] = {}  # verification seconds by rows verified
+        self.draft_step: float | None = None  # seconds per drafted position
+        self.drafted: list[int] = []  # every generation's drafted cycles reaching each position
+        self.accepted: list[int] = []  # ... and accepted through it
+        self.overhead: float | None = None  # a cycle's seconds outside drafting and the target
 
     def record_plain(self, seconds: float) -> None:
-        self.seconds = seconds if self.seconds is None else (1 - ALPHA) * self.seconds + ALPHA * seconds
+        self.seconds = _ema(self.seconds, seconds)
+        self.by_rows[1] = _ema(self.by_rows.get(1), seconds)
 
-    def record_verification(self, seconds: float) -> None:
+    def record_verification(self, seconds: float, rows: int | None = None) -> None:
         self.bound = seconds if self.bound is None else min(self.bound, seconds)
+        if rows is not None and rows > 1:
+            self.by_rows[rows] = _ema(self.by_rows.get(rows), seconds)
+
+    def record_overhead(self, seconds: float) -> None:
+        self.overhead = _ema(self.overhead, max(0.0, seconds))
+
+    def record_draft(self, seconds: float, positions: int) -> None:
+        if positions > 0:
+            self.draft_step = _ema(self.draft_step, seconds / positions)
 
     @property
     def estimate(self) -> float | None:
         return self.seconds if self.seconds is not None else self.bound
+
+    def verification(self, rows: int) -> float | None:
+        """Seconds to verify ``rows`` rows: measured, else interpolated between the nearest row
+        counts measured, else extended from the largest along the line from one row to it."""
+        known = dict(self.by_rows)
+        if 1 not in known and self.estimate is not None:
+            known[1] = self.estimate
+        if not known:
+            return None
+        if rows in known:
+            return known[rows]
+        below = max((r for r in known if r < rows), default=None)
+        above = min((r for r in known if r > rows), default=None)
+        if below is None:
+            return known[above]
+        if above is None:
+            if below == 1:
+                return known[1]
+            slope = max(0.0, (known[below] - known[1]) / (below - 1))
+            return known[below] + slope * (rows - below)
+        w = (rows - below) / (above - below)
+        return (1 - w) * known[below] + w * known[above]
 
 
 class DraftGate:
@@ -109,3 +160,96 @@ class DepthControl:
     def record(self, depth: int, accepted: int) -> None:
         """A drafted cycle reached ``depth`` positions and ``accepted`` of them were accepted."""
         count_positions(self.drafted, self.accepted, depth, accepted)
+
+
+#: weight (in drafted cycles) of the engine's earlier generations in a generation's acceptance
+PRIOR_WEIGHT = 2.0
+#: acceptance assumed at a draft position no generation has reached yet
+UNSEEN_ACCEPTANCE = 0.5
+
+
+class CostPlanner:
+    """One generation's depth, cycle by cycle, from the cost model (``draft.planner = "cost"``).
+
+    ``cap(max_depth)`` before a cycle: ``None`` drafts as the stack says (until the costs and some
+    acceptance are measured, and for a look after backing off), ``0`` takes a plain step, ``k`` drafts at most
+    ``k`` positions. The chosen ``k`` maximises the expected tokens per second
+    ``(1 + s_1 + ... + s_k) / (k * draft_step + verification(k + 1) + overhead)``, where ``s_j`` is
+    the chance that a chain reaching position ``j`` is accepted through it (this generation's
+    counts with ``PRIOR_WEIGHT`` cycles of the engine's earlier generations mixed in) and
+    ``overhead`` a cycle's bookkeeping. A plain step's rate is ``1 / (plain + overhead)``; where no
+    depth beats it, the planner takes ``backoff`` plain steps and then drafts one cycle to look
+    again, doubling ``backoff`` after each look that leaves drafting behind (up to
+    ``MAX_BACKOFF``) and resetting it after one that does not.
+    """
+
+    def __init__(self, costs: PlainCost) -> None:
+        self.costs = costs
+        self.drafted: list[int] = []  # this generation's drafted cycles reaching each position
+        self.accepted: list[int] = []  # ... and accepted through it
+        self.wait = 0  # plain steps still to take
+        self.backoff = FIRST_BACKOFF
+        self.look_next = False
+        self.looking = False
+        self.max_depth = 1
+
+    def acceptance(self, depth: int) -> list[float]:
+        """``s_1 .. s_depth`` for this generation (never rising with depth)."""
+        out, prev = [], 1.0
+        for j in range(depth):
+            seen_d = self.costs.drafted[j] if j < len(self.costs.drafted) else 0
+            seen_a = self.costs.accepted[j] if j < len(self.costs.accepted) else 0
+            prior = seen_a / seen_d if seen_d else UNSEEN_ACCEPTANCE * prev
+            d = self.drafted[j] if j < len(self.drafted) else 0
+            a = self.accepted[j] if j < len(self.accepted) else 0
+            prev = min(prev, (a + PRIOR_WEIGHT * prior) / (d + PRIOR_WEIGHT))
+            out.append(prev)
+        return out
+
+    def best_depth(self, max_depth: int) -> int | None:
+        """The depth expected to commit the most tokens per second (0: a plain step), or None
+        while a cost it needs is unmeasured or no draft has been verified yet."""
+        plain, step = self.costs.estimate, self.costs.draft_step
+        if plain is None or step is None or not self.costs.drafted:
+            return None
+        extra = self.costs.overhead or 0.0
+        best, best_rate, expected = 0, 1.0 / (plain + extra), 1.0
+        for k, s in enumerate(self.acceptance(max_depth), start=1):
+            expected += s
+            rate = expected / (k * step + self.costs.verification(k + 1) + extra)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def cap(self, max_depth: int) -> int | None:
+        self.max_depth = max(1, max_depth)
+        if self.wait:
+            return 0
+        if self.look_next:
+            self.look_next, self.looking = False, True
+            return None
+        best = self.best_depth(self.max_depth)
+        if best == 0:
+            self.wait = self.backoff  # this cycle is the first of them
+        return best
+
+    def record(self, *, drafted: bool, seconds: float, verify_seconds: float, rows: int = 1,
+               draft_seconds: float = 0.0, reached: int = 0, accepted: int = 0) -> None:
+        """One cycle: whether it drafted, its time in all, the target's part of it and the rows
+        it verified; for a drafted cycle, the drafting's seconds, the positions its draft reached
+        and how many of them were accepted."""
+        self.costs.record_overhead(seconds - verify_seconds - draft_seconds)
+        if not drafted:
+            self.costs.record_plain(verify_seconds)
+            if self.wait:
+                self.wait -= 1
+                self.look_next = self.wait == 0
+            return
+        self.costs.record_verification(verify_seconds, rows)
+        self.costs.record_draft(draft_seconds, reached)
+        count_positions(self.drafted, self.accepted, reached, accepted)
+        count_positions(self.costs.drafted, self.costs.accepted, reached, accepted)
+        if self.looking:
+            self.looking = False
+            paid = self.best_depth(self.max_depth) != 0
+            self.backoff = FIRST_BACKOFF if paid else min(2 * self.backoff, MAX_BACKOFF)
