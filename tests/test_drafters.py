@@ -357,3 +357,28 @@ def test_a_drafter_given_on_another_device_than_its_target_is_refused():
     elsewhere = copy.deepcopy(trained_drafter("llama")).to("meta")
     with pytest.raises(ConfigError, match=r"is on meta, its target on cpu: move it first"):
         make_engine("llama", elsewhere, builtin_registry())
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_cost_planner_holds_a_failing_drafter_but_not_prompt_lookup(kind):
+    """A random drafter's chains fail: the cost planner holds it to plain steps, while prompt
+    lookup (which costs next to nothing to draft) still proposes on the repeating text."""
+    from conftest import random_drafter
+
+    registry = builtin_registry()
+    composite = {"name": "composite", "drafters": [{"name": "ngram", "min_ngram": 2}, "in-memory"]}
+    runs = {}
+    for planner in ("none", "cost"):
+        draft = {"mode": "chain", "depth": 4}
+        if planner == "cost":
+            draft.update(adaptive=True, planner="cost")
+        engine = make_engine(kind, random_drafter(kind), registry, drafter=composite, draft=draft)
+        sources = [0, 0]
+        for prompt in _repeating_prompts():
+            result = engine.generate(prompt, max_new_tokens=48)
+            assert result.token_ids == reference_greedy(kind, prompt, 48)
+            for index, count in result.stats.draft_sources.items():
+                sources[index] += count
+        runs[planner] = sources
+    assert runs["cost"][0] > 0  # prompt lookup kept drafting
+    assert runs["cost"][1] < runs["none"][1]  # the failing drafter drafted fewer cycles

@@ -252,21 +252,36 @@ class CompositeSource:
         self.chains_only = not merge and all(s.chains_only for s in sources)
 
     def start(self, capacity: int) -> "_CompositeSession":
-        return _CompositeSession([s.start(capacity) for s in self.sources], self.merge)
+        return _CompositeSession([s.start(capacity) for s in self.sources], self.merge,
+                                 costly=[getattr(s, "model", None) is not None for s in self.sources])
 
 
 class _CompositeSession:
-    def __init__(self, sessions, merge: bool) -> None:
+    """``costly_cap``: a depth for the drafters with a model only, set by the engine's cost planner
+    before a cycle (0: they do not draft); a draft step of prompt lookup costs next to nothing, so
+    only ``depth`` holds it. ``last_costly``: whether the last tree came from a drafter with a model."""
+
+    def __init__(self, sessions, merge: bool, costly: Sequence[bool] = ()) -> None:
         self.sessions, self.merge = sessions, merge
+        self.costly = list(costly) or [True] * len(sessions)
+        self.costly_cap: int | None = None
+        self.last_costly = False
 
     def grow(self, tokens, features, n, params, verifier, generator, stats, depth=None) -> DraftTree:
         merge = self.merge and verifier.prunes  # a sampler's siblings must come from one distribution
         merged = None
+        self.last_costly = False
         for index, session in enumerate(self.sessions):
-            tree = grow_within(session, tokens, features, n, params, verifier, generator, stats, depth)
+            held = depth
+            if self.costly[index] and self.costly_cap == 0:
+                continue
+            if self.costly[index] and self.costly_cap is not None:
+                held = self.costly_cap if depth is None else min(depth, self.costly_cap)
+            tree = grow_within(session, tokens, features, n, params, verifier, generator, stats, held)
             if len(tree) == 1:
                 continue
             stats.draft_sources[index] += 1
+            self.last_costly = self.last_costly or self.costly[index]
             if not merge:
                 return tree
             merged = tree if merged is None else merge_trees(merged, tree)

@@ -507,7 +507,10 @@ class Engine:
             limit = control.limit if control is not None else None
             if planner is not None:
                 cap = planner.cap(source.max_depth)
-                limit = limit if cap is None else cap if limit is None else min(limit, cap)
+                if hasattr(session, "costly_cap"):
+                    session.costly_cap = cap  # prompt lookup still proposes, uncut
+                elif cap is not None:
+                    limit = cap if limit is None else min(limit, cap)
             draft_seconds = 0.0
             if limit != 0 and (gate is None or gate.draft_now()):
                 tree = grow_within(session, tokens, features, n, params, verifier, generator, stats, limit)
@@ -555,7 +558,8 @@ class Engine:
                 planner.record(drafted=drafted, seconds=time.perf_counter() - started,
                                verify_seconds=stats.verify_times[-1], rows=len(tree),
                                draft_seconds=draft_seconds, reached=reached if drafted else 0,
-                               accepted=len(path))
+                               accepted=len(path),
+                               costly=getattr(session, "last_costly", source.model is not None))
             chunk, done = self._finish(committed, produced, max_new)
             stats.accepted_lengths.append(len(chunk))  # what this cycle added to the output
             produced += len(chunk)

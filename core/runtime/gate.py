@@ -176,8 +176,10 @@ class CostPlanner:
     ``k`` positions. The chosen ``k`` maximises the expected tokens per second
     ``(1 + s_1 + ... + s_k) / (k * draft_step + verification(k + 1) + overhead)``, where ``s_j`` is
     the chance that a chain reaching position ``j`` is accepted through it (this generation's
-    counts with ``PRIOR_WEIGHT`` cycles of the engine's earlier generations mixed in) and
-    ``overhead`` a cycle's bookkeeping. A plain step's rate is ``1 / (plain + overhead)``; where no
+    counts with ``PRIOR_WEIGHT`` cycles of the engine's earlier generations mixed in; counted over
+    the cycles that a drafter with a model drafted) and ``overhead`` a cycle's bookkeeping. In a
+    composite the depth holds only the drafters with a model: prompt lookup's proposals, which cost
+    next to nothing to draft, stay uncut, and still come while the others are held to plain steps. A plain step's rate is ``1 / (plain + overhead)``; where no
     depth beats it, the planner takes ``backoff`` plain steps and then drafts one cycle to look
     again, doubling ``backoff`` after each look that leaves drafting behind (up to
     ``MAX_BACKOFF``) and resetting it after one that does not.
@@ -234,18 +236,21 @@ class CostPlanner:
         return best
 
     def record(self, *, drafted: bool, seconds: float, verify_seconds: float, rows: int = 1,
-               draft_seconds: float = 0.0, reached: int = 0, accepted: int = 0) -> None:
+               draft_seconds: float = 0.0, reached: int = 0, accepted: int = 0, costly: bool = True) -> None:
         """One cycle: whether it drafted, its time in all, the target's part of it and the rows
-        it verified; for a drafted cycle, the drafting's seconds, the positions its draft reached
-        and how many of them were accepted."""
+        it verified; for a drafted cycle, the drafting's seconds, the positions its draft reached,
+        how many of them were accepted, and whether a drafter with a model drafted it (only those
+        cycles measure a draft step: prompt lookup's cost next to nothing)."""
         self.costs.record_overhead(seconds - verify_seconds - draft_seconds)
-        if not drafted:
+        if drafted:
+            self.costs.record_verification(verify_seconds, rows)
+        else:
             self.costs.record_plain(verify_seconds)
+        if not (drafted and costly):  # the drafters with a model did not draft (prompt lookup may have)
             if self.wait:
                 self.wait -= 1
                 self.look_next = self.wait == 0
             return
-        self.costs.record_verification(verify_seconds, rows)
         self.costs.record_draft(draft_seconds, reached)
         count_positions(self.drafted, self.accepted, reached, accepted)
         count_positions(self.costs.drafted, self.costs.accepted, reached, accepted)
