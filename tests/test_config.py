@@ -48,7 +48,7 @@ def test_unknown_fields_are_rejected():
         stack_from_mapping({"name": "a", "target": "t", "drafer": "x"})
     with pytest.raises(ConfigError, match="unknown stack field 'nope.x'"):
         stack_from_mapping({"name": "a", "target": "t"}).with_overrides({"nope.x": 1})
-    with pytest.raises(ConfigError, match=r"unknown field\(s\) draft.deep; draft fields: adaptive, depth, min_confidence, mode, planner, router_overlap, topk, total_tokens"):
+    with pytest.raises(ConfigError, match=r"unknown field\(s\) draft.deep; draft fields: adaptive, depth, min_confidence, mode, planner, planner_prior, router_overlap, topk, total_tokens"):
         stack_from_mapping({"name": "a", "target": "t", "draft": {"deep": 3}})
 
 

@@ -103,6 +103,14 @@ class DraftConfig:
     #: measured costs of a draft step, a verification by rows and a plain step against this
     #: generation's acceptance per draft position (:class:`dynaspec.runtime.gate.CostPlanner`).
     planner: str = attrs.field(default="rate")
+    #: For ``planner = "cost"``: how many drafted cycles the engine's earlier generations weigh in
+    #: a new generation's acceptance per position (more: a generation unlike the earlier ones
+    #: takes more failed cycles to stop drafting; less: fewer cycles of evidence stop it).
+    planner_prior: float = attrs.field(default=2.0, converter=float)
+
+    @planner_prior.validator
+    def _planner_prior(self, _attribute, value):
+        _check("draft.planner_prior", math.isfinite(value) and value > 0, value, "must be > 0")
 
     @planner.validator
     def _planner(self, _attribute, value):

@@ -498,7 +498,7 @@ class Engine:
         yield chunk
         gate = planner = None
         if self.stack.draft.adaptive and self.stack.draft.planner == "cost":
-            planner = CostPlanner(self.plain_cost)
+            planner = CostPlanner(self.plain_cost, self.stack.draft.planner_prior)
         elif self.stack.draft.adaptive:
             gate = DraftGate(self.plain_cost)
         while not done:

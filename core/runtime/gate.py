@@ -162,7 +162,8 @@ class DepthControl:
         count_positions(self.drafted, self.accepted, depth, accepted)
 
 
-#: weight (in drafted cycles) of the engine's earlier generations in a generation's acceptance
+#: default weight (in drafted cycles) of the engine's earlier generations in a generation's
+#: acceptance (``draft.planner_prior``)
 PRIOR_WEIGHT = 2.0
 #: acceptance assumed at a draft position no generation has reached yet
 UNSEEN_ACCEPTANCE = 0.5
@@ -176,7 +177,7 @@ class CostPlanner:
     ``k`` positions. The chosen ``k`` maximises the expected tokens per second
     ``(1 + s_1 + ... + s_k) / (k * draft_step + verification(k + 1) + overhead)``, where ``s_j`` is
     the chance that a chain reaching position ``j`` is accepted through it (this generation's
-    counts with ``PRIOR_WEIGHT`` cycles of the engine's earlier generations mixed in; counted over
+    counts with ``prior_weight`` cycles of the engine's earlier generations mixed in; counted over
     the cycles that a drafter with a model drafted) and ``overhead`` a cycle's bookkeeping. In a
     composite the depth holds only the drafters with a model: prompt lookup's proposals, which cost
     next to nothing to draft, stay uncut, and still come while the others are held to plain steps. A plain step's rate is ``1 / (plain + overhead)``; where no
@@ -185,8 +186,9 @@ class CostPlanner:
     ``MAX_BACKOFF``) and resetting it after one that does not.
     """
 
-    def __init__(self, costs: PlainCost) -> None:
+    def __init__(self, costs: PlainCost, prior_weight: float = PRIOR_WEIGHT) -> None:
         self.costs = costs
+        self.prior_weight = prior_weight
         self.drafted: list[int] = []  # this generation's drafted cycles reaching each position
         self.accepted: list[int] = []  # ... and accepted through it
         self.wait = 0  # plain steps still to take
@@ -204,7 +206,7 @@ class CostPlanner:
             prior = seen_a / seen_d if seen_d else UNSEEN_ACCEPTANCE * prev
             d = self.drafted[j] if j < len(self.drafted) else 0
             a = self.accepted[j] if j < len(self.accepted) else 0
-            prev = min(prev, (a + PRIOR_WEIGHT * prior) / (d + PRIOR_WEIGHT))
+            prev = min(prev, (a + self.prior_weight * prior) / (d + self.prior_weight))
             out.append(prev)
         return out
 
