@@ -382,3 +382,24 @@ def test_cost_planner_holds_a_failing_drafter_but_not_prompt_lookup(kind):
         runs[planner] = sources
     assert runs["cost"][0] > 0  # prompt lookup kept drafting
     assert runs["cost"][1] < runs["none"][1]  # the failing drafter drafted fewer cycles
+
+
+def test_a_lighter_prior_stops_a_failing_generation_sooner():
+    from dynaspec.runtime.gate import CostPlanner
+
+    def failures_before_plain(weight):
+        history = _planner()
+        for _ in range(6):  # earlier generations: positions 1-2 always accepted
+            history.record(drafted=True, seconds=0.040, verify_seconds=0.024, rows=6, draft_seconds=0.016,
+                           reached=5, accepted=2)
+        planner = CostPlanner(history.costs, prior_weight=weight)
+        failed = 0
+        while planner.cap(5) != 0:
+            planner.record(drafted=True, seconds=0.030, verify_seconds=0.022, rows=3, draft_seconds=0.008,
+                           reached=2, accepted=0)
+            failed += 1
+            assert failed < 20
+        return failed
+
+    light, heavy = failures_before_plain(1.0), failures_before_plain(4.0)
+    assert 1 <= light < heavy
