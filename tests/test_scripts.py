@@ -173,3 +173,10 @@ def test_start_time_times_whole_generate_processes(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "start_time.py"), "--runs", "0"],
                          capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "--runs must be at least 1" in bad.stderr
+
+
+def test_category_cost_names_the_categories_it_knows():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "category_cost.py"), "--category", "nope",
+                          "--stacks", "baseline"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "no built-in question in category 'nope'" in out.stderr and "translation" in out.stderr
