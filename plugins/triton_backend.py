@@ -46,7 +46,7 @@ class TritonBackend:
 
     name = "triton"
 
-    def __init__(self, weight: torch.Tensor, *, block_n: int = 64, block_d: int = 64) -> None:
+    def __init__(self, weight: torch.Tensor, *, block_n: int = 128, block_d: int = 128) -> None:
         self.weight = weight.contiguous()
         self.block_n, self.block_d = block_n, block_d
         self.calls = 0
@@ -107,9 +107,9 @@ def _power_of_two(value) -> bool:
 
 @attrs.frozen
 class TritonParams:
-    block_n: int = param(64, help="shortlisted rows per program", unit="rows", check=_power_of_two,
+    block_n: int = param(128, help="shortlisted rows per program", unit="rows", check=_power_of_two,
                          rule="must be a power of two >= 16")
-    block_d: int = param(64, help="hidden dimensions per inner step", unit="columns", check=_power_of_two,
+    block_d: int = param(128, help="hidden dimensions per inner step", unit="columns", check=_power_of_two,
                          rule="must be a power of two >= 16")
 
 
