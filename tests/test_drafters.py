@@ -291,25 +291,36 @@ def _planner(plain=0.020, step=0.004, per_row=0.001):
     return CostPlanner(costs)
 
 
+def _record_good_generation(planner, cycles=6):
+    """Cycles whose positions 1-2 are always accepted and 3 never."""
+    for _ in range(cycles):
+        planner.record(drafted=True, seconds=0.040, verify_seconds=0.024, rows=6, draft_seconds=0.016,
+                       reached=5, accepted=2)
+
+
+def _failures_before_plain(planner, most=20) -> int:
+    """Failed drafted cycles the planner takes before it holds the drafter to plain steps."""
+    failed = 0
+    while planner.cap(5) != 0:
+        planner.record(drafted=True, seconds=0.030, verify_seconds=0.022, rows=3, draft_seconds=0.008,
+                       reached=2, accepted=0)
+        failed += 1
+        assert failed < most
+    return failed
+
+
 def test_cost_planner_drafts_deep_when_drafts_are_accepted_and_stops_where_they_are_not():
     from dynaspec.runtime.gate import FIRST_BACKOFF
 
     planner = _planner()
     assert planner.cap(5) is None  # nothing verified yet: draft as the stack says
-    for _ in range(6):  # positions 1-2 always accepted, 3 never
-        planner.record(drafted=True, seconds=0.040, verify_seconds=0.024, rows=6, draft_seconds=0.016,
-                       reached=5, accepted=2)
+    _record_good_generation(planner)
     assert planner.acceptance(3)[0] > 0.9 and planner.acceptance(3)[2] < 0.3
     assert planner.cap(5) == 2
     # a generation whose drafts all fail: plain steps, then a look, then a longer wait
     failing = _planner()
     failing.costs = planner.costs
-    failed = 0
-    while failing.cap(5) != 0:
-        failing.record(drafted=True, seconds=0.030, verify_seconds=0.022, rows=3, draft_seconds=0.008,
-                       reached=2, accepted=0)
-        failed += 1
-        assert failed < 8
+    failed = _failures_before_plain(failing, most=8)
     # the earlier generation's acceptance (a prior of 2 cycles) is outweighed after a few failures
     assert 2 <= failed <= 5 and failing.wait == FIRST_BACKOFF
     for _ in range(FIRST_BACKOFF):
@@ -389,17 +400,8 @@ def test_a_lighter_prior_stops_a_failing_generation_sooner():
 
     def failures_before_plain(weight):
         history = _planner()
-        for _ in range(6):  # earlier generations: positions 1-2 always accepted
-            history.record(drafted=True, seconds=0.040, verify_seconds=0.024, rows=6, draft_seconds=0.016,
-                           reached=5, accepted=2)
-        planner = CostPlanner(history.costs, prior_weight=weight)
-        failed = 0
-        while planner.cap(5) != 0:
-            planner.record(drafted=True, seconds=0.030, verify_seconds=0.022, rows=3, draft_seconds=0.008,
-                           reached=2, accepted=0)
-            failed += 1
-            assert failed < 20
-        return failed
+        _record_good_generation(history)  # earlier generations
+        return _failures_before_plain(CostPlanner(history.costs, prior_weight=weight))
 
     light, heavy = failures_before_plain(1.0), failures_before_plain(4.0)
     assert 1 <= light < heavy
