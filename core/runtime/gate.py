@@ -54,7 +54,7 @@ class PlainCost:
     def __init__(self) -> None:
         self.seconds: float | None = None  # measured plain steps
         self.bound: float | None = None  # the shortest verification seen: an upper bound
-        self.by_rows: dict[int, float] = {}  # verification seconds by rows verified
+        self.by_rows: dict[int, float] = {}  # verification seconds by rows verified (2 or more)
         self.draft_step: float | None = None  # seconds per drafted position
         self.drafted: list[int] = []  # every generation's drafted cycles reaching each position
         self.accepted: list[int] = []  # ... and accepted through it
@@ -62,7 +62,6 @@ class PlainCost:
 
     def record_plain(self, seconds: float) -> None:
         self.seconds = _ema(self.seconds, seconds)
-        self.by_rows[1] = _ema(self.by_rows.get(1), seconds)
 
     def record_verification(self, seconds: float, rows: int | None = None) -> None:
         self.bound = seconds if self.bound is None else min(self.bound, seconds)
@@ -81,26 +80,22 @@ class PlainCost:
         return self.seconds if self.seconds is not None else self.bound
 
     def verification(self, rows: int) -> float | None:
-        """Seconds to verify ``rows`` rows: measured, else interpolated between the nearest row
-        counts measured, else extended from the largest along the line from one row to it."""
-        known = dict(self.by_rows)
-        if 1 not in known and self.estimate is not None:
-            known[1] = self.estimate
-        if not known:
-            return None
-        if rows in known:
-            return known[rows]
-        below = max((r for r in known if r < rows), default=None)
-        above = min((r for r in known if r > rows), default=None)
-        if below is None:
-            return known[above]
-        if above is None:
-            if below == 1:
-                return known[1]
-            slope = max(0.0, (known[below] - known[1]) / (below - 1))
-            return known[below] + slope * (rows - below)
+        """Seconds to verify ``rows`` rows: measured (one row: the plain step), else interpolated
+        between the nearest row counts measured, else extended from the largest along the line
+        from one row to it. None before anything is measured."""
+        plain = self.estimate  # set by any verification, so known whenever ``by_rows`` is not empty
+        if plain is None or rows <= 1:
+            return plain
+        if rows in self.by_rows:
+            return self.by_rows[rows]
+        below = max((r for r in self.by_rows if r < rows), default=1)
+        above = min((r for r in self.by_rows if r > rows), default=None)
+        cost = self.by_rows.get(below, plain)
+        if above is None:  # beyond the largest measured: along the line from one row
+            slope = max(0.0, (cost - plain) / (below - 1)) if below > 1 else 0.0
+            return cost + slope * (rows - below)
         w = (rows - below) / (above - below)
-        return (1 - w) * known[below] + w * known[above]
+        return (1 - w) * cost + w * self.by_rows[above]
 
 
 class DraftGate:
@@ -173,17 +168,18 @@ class CostPlanner:
     """One generation's depth, cycle by cycle, from the cost model (``draft.planner = "cost"``).
 
     ``cap(max_depth)`` before a cycle: ``None`` drafts as the stack says (until the costs and some
-    acceptance are measured, and for a look after backing off), ``0`` takes a plain step, ``k`` drafts at most
-    ``k`` positions. The chosen ``k`` maximises the expected tokens per second
+    acceptance are measured, and for a look after backing off), ``0`` takes a plain step, ``k``
+    drafts at most ``k`` positions. The chosen ``k`` maximises the expected tokens per second
     ``(1 + s_1 + ... + s_k) / (k * draft_step + verification(k + 1) + overhead)``, where ``s_j`` is
     the chance that a chain reaching position ``j`` is accepted through it (this generation's
     counts with ``prior_weight`` cycles of the engine's earlier generations mixed in; counted over
-    the cycles that a drafter with a model drafted) and ``overhead`` a cycle's bookkeeping. In a
-    composite the depth holds only the drafters with a model: prompt lookup's proposals, which cost
-    next to nothing to draft, stay uncut, and still come while the others are held to plain steps. A plain step's rate is ``1 / (plain + overhead)``; where no
-    depth beats it, the planner takes ``backoff`` plain steps and then drafts one cycle to look
-    again, doubling ``backoff`` after each look that leaves drafting behind (up to
-    ``MAX_BACKOFF``) and resetting it after one that does not.
+    the cycles that a drafter with a model drafted) and ``overhead`` a cycle's bookkeeping. A plain
+    step's rate is ``1 / (plain + overhead)``; where no depth beats it, the planner takes
+    ``backoff`` plain steps and then drafts one cycle to look again, doubling ``backoff`` after
+    each look that leaves drafting behind (up to ``MAX_BACKOFF``) and resetting it after one that
+    does not. In a composite the depth holds only the drafters with a model: prompt lookup's
+    proposals, which cost next to nothing to draft, stay uncut, and still come while the others
+    are held to plain steps.
     """
 
     def __init__(self, costs: PlainCost, prior_weight: float = PRIOR_WEIGHT) -> None:
