@@ -185,6 +185,38 @@ def test_init_continues_the_prepared_drafter_on_the_answers(prepared, tmp_path):
     assert done.returncode != 0 and "give one of them" in done.stderr
 
 
+def test_init_with_a_wider_width_widens_the_drafter_keeping_its_function(prepared, tmp_path):
+    import torch
+
+    from dynaspec.training.drafter import widen
+
+    out, _ = prepared
+    start = trained_drafter("llama").float()
+    wide = widen(start, 80)
+    assert wide.cfg.intermediate_size == 80 and start.cfg.intermediate_size < 80
+    emb, feats = torch.randn(2, 7, start.cfg.hidden_size), torch.randn(2, 7, start.cfg.hidden_size)
+    pos = torch.arange(7)[None].expand(2, -1)
+    with torch.no_grad():  # the same function at the start: the new units are silent
+        assert torch.equal(start(emb, feats, pos), wide(emb, feats, pos))
+    assert wide.layer.down_proj.weight[:, start.cfg.intermediate_size:].abs().sum() == 0
+    assert wide.layer.gate_proj.weight[start.cfg.intermediate_size:].abs().sum() > 0  # random, not dead
+    with pytest.raises(ConfigError, match="widened, not narrowed"):
+        widen(wide, 16)
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    budget = attrs.evolve(BUDGET, steps=20, drafter_width=64)
+    prepare("tiny-llama", again, budget=budget, redo=("drafter",), only=("drafter",),
+            init=str(again / "drafter"), command="widen")
+    assert json.loads((again / "drafter" / "drafter.json").read_text())["architecture"]["intermediate_size"] == 64
+    spec, plain = _plain_and_spec(again / "stack.toml")
+    assert spec.token_ids == plain.token_ids
+    # narrower than the drafter it starts from: refused before ./drafter is cleared
+    with pytest.raises(ConfigError, match="widened, not narrowed"):
+        prepare("tiny-llama", again, budget=attrs.evolve(budget, drafter_width=32), redo=("drafter",),
+                only=("drafter",), init=str(again / "drafter"))
+    assert (again / "drafter" / "drafter.json").exists()
+
+
 def test_an_interrupted_redo_resumes_from_its_checkpoint(prepared, tmp_path, monkeypatch):
     out, _ = prepared
     again = tmp_path / "again"

@@ -100,7 +100,8 @@ def register(sub) -> None:
                     "L//8 and L//2 of L; 'none': the final hidden state alone")
     pr.add_argument("--init", metavar="DRAFTER", default=None,
                     help="start the drafter stage from this drafter (a built-in name or a folder) instead of "
-                    "random weights: more training on more data; its width and feature layers are kept")
+                    "random weights: more training on more data; its feature layers are kept, and its width unless "
+                    "--drafter-width widens it (the new units start silent)")
     pr.add_argument("--loss-on", choices=["answer", "all"], default="answer",
                     help="answer: the drafter learns at the positions whose next token is the target's own "
                     "continuation (what it drafts; the prompt is context); all: at the prompts' too")

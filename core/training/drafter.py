@@ -111,6 +111,36 @@ class _Unrolled(torch.nn.Module):
         return preds
 
 
+def widen(drafter: Drafter, width: int, *, seed: int = 0) -> Drafter:
+    """``drafter`` with its MLP widened to ``width``, computing the same function: its gate and up
+    rows and down columns are kept, the new gate and up rows start at random (as an untrained layer
+    would) and the new down columns at zero, so the new units add nothing until training moves
+    them. More capacity for a drafter that has stopped improving, without starting over."""
+    old = drafter.cfg.intermediate_size
+    if width < old:
+        raise ConfigError(f"width {width} is narrower than the drafter's {old}: a drafter can be widened, not narrowed")
+    if width == old:
+        return drafter
+    torch.manual_seed(seed)
+    wide = Drafter(attrs.evolve(drafter.cfg, intermediate_size=width), meta=drafter.meta).to(
+        drafter.fc.weight.dtype)
+    state = drafter.state_dict()
+    fresh = wide.state_dict()
+    for name, value in state.items():
+        target = fresh[name]
+        if target.shape == value.shape:
+            target.copy_(value)
+        elif name.endswith(("gate_proj.weight", "up_proj.weight")):
+            target[:old].copy_(value)  # new rows keep their random start
+        elif name.endswith("down_proj.weight"):
+            target.zero_()
+            target[:, :old].copy_(value)
+        else:
+            raise AssertionError(f"{name}: {tuple(value.shape)} -> {tuple(target.shape)}")
+    wide.load_state_dict(fresh)
+    return wide
+
+
 def _step_loss(model: torch.nn.Module, head: torch.Tensor, frequent: torch.Tensor, shard, batch,
                embed, noise: float, generator: torch.Generator, rank: int = 0,
                world: int = 1, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
@@ -261,7 +291,9 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
     ``feature_layers`` (EAGLE-3-style fused features): target layers whose inputs the drafter reads
     beside the final hidden state, computed once per shard into ``layers-A-B/`` beside it.
     ``init``: start from this drafter's weights instead of random ones (more training on more
-    data); its architecture is kept, and a width or feature layers that differ from it are refused.
+    data); its architecture is kept, except that a wider ``intermediate_size`` widens its MLP
+    (:func:`widen`: the same function at the start); a narrower width or other feature layers are
+    refused.
     ``loss_on``: ``"answer"`` trains on the positions whose next token is the target's own
     continuation (the prompts are context only), ``"all"`` on the prompts' positions too.
     ``precision``: the products of each step in ``bfloat16`` (autocast; the weights, the optimiser
@@ -295,9 +327,10 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
         if feature_layers is not None and lower != kept:
             raise ConfigError(f"feature layers {list(lower)} differ from the starting drafter's {list(kept)}: "
                               "leave them out to keep its own")
-        if intermediate_size is not None and intermediate_size != config.intermediate_size:
-            raise ConfigError(f"width {intermediate_size} differs from the starting drafter's "
-                              f"{config.intermediate_size}: leave it out to keep its own")
+        if intermediate_size is not None and intermediate_size < config.intermediate_size:
+            raise ConfigError(f"width {intermediate_size} is narrower than the starting drafter's "
+                              f"{config.intermediate_size}: a drafter can be widened, not narrowed; leave "
+                              "it out to keep its own")
         lower = kept
     else:
         config = DrafterConfig.like_target(target.model, intermediate_size=intermediate_size)
@@ -307,6 +340,8 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
     drafter = Drafter(config).float()
     if init is not None:
         drafter.load_state_dict({k: v.float() for k, v in init.state_dict().items()})
+        if intermediate_size is not None and intermediate_size > config.intermediate_size:
+            drafter = widen(drafter, intermediate_size, seed=seed)
     head = target.lm_head_weight.detach()
     freq = _frequent_tokens(paths, frequent)
     total_steps = steps or epochs * max(1, positions(paths) // batch_positions)

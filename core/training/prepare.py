@@ -197,7 +197,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
             provenance["init"] = {"drafter": Path(init).name, "training": start.meta.get("training")}
         drafter_training.train(target, work, drafter_dir, steps=budget.steps,
                                batch_positions=budget.batch_positions, seed=seed,
-                               intermediate_size=None if start else budget.drafter_width,
+                               intermediate_size=budget.drafter_width,
                                feature_layers=None if start else budget.feature_layers,
                                provenance=provenance, init=start, loss_on=budget.loss_on,
                                precision=budget.precision, unroll=budget.unroll)
@@ -231,6 +231,9 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         start = load_drafter(init, target)
         if "training" not in start.meta:
             raise ConfigError(f"--init {init}: not a drafter that dynaspec trained (no training record)")
+        if budget.drafter_width is not None and budget.drafter_width < start.cfg.intermediate_size:
+            raise ConfigError(f"--drafter-width {budget.drafter_width} is narrower than the --init drafter's "
+                              f"{start.cfg.intermediate_size}: a drafter can be widened, not narrowed")
 
     rank, world = distributed.join()
     # under torchrun the collection, the drafter and the router are shared by the processes; the
