@@ -13,8 +13,9 @@ from dynaspec.runtime import quantized as qz
 
 pytestmark = pytest.mark.skipif(q8.available() is not None, reason=f"int8 kernel unavailable: {q8.available()}")
 
-# (out, in): a tile remainder (N % 4) and a column tail (K % 32, K % 16, K % 8) in most of them
-SHAPES = [(7, 40), (33, 650), (64, 896), (5, 1)]
+# (out, in): a tile remainder (N % 4) and a column tail (K % 32, K % 16, K % 8) in most of them; the
+# last one wide enough that 8-bit activations take it in column chunks (kernels/q8_linear.c)
+SHAPES = [(7, 40), (33, 650), (64, 896), (5, 1), (9, 2500)]
 DTYPES = [torch.float32, torch.bfloat16]
 #: every code path the processor here can run: its best, AVX2 (+FMA) and plain C, each in its modes
 LEVELS = [level for level in q8.LEVELS if q8.available(level=level) is None]
@@ -43,7 +44,14 @@ def test_the_kernels_packing_is_quantize_rows_then_pack(shape, dtype, level, mod
     lanes, tile_rows = kernel._layout
     padded = torch.cat([q, q.new_zeros(q.shape[0], kernel._padded_in - shape[1])], dim=1)
     packed, tail = pack_tiles(padded, lanes, tile_rows)
-    assert torch.equal(kernel.packed, packed) and torch.equal(kernel.tail, tail)
+    assert torch.equal(kernel._tiled(), packed) and torch.equal(kernel.tail, tail)
+    if mode == "int8":  # 8-bit activations read wide weights in column chunks: each chunk every tile's columns
+        chunk = kernel._chunk
+        tiles = packed.view(-1, kernel._padded_in // lanes, tile_rows, lanes)
+        want = torch.cat([tiles[:, at:at + chunk // lanes].reshape(-1)
+                          for at in range(0, kernel._padded_in // lanes, chunk // lanes)])
+        assert torch.equal(kernel.packed, want)
+        assert (kernel._padded_in > chunk) == (not torch.equal(kernel.packed, packed))
 
 
 def test_quantize_rows_round_trip_and_zero_rows():

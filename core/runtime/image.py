@@ -37,7 +37,7 @@ import torch
 from dynaspec.errors import ConfigError
 from dynaspec.runtime.target import TargetModel
 
-IMAGE_FORMAT = 2  # 2: the w8a8 products kept at 16-bit activations recorded
+IMAGE_FORMAT = 3  # 2: the w8a8 products kept at 16-bit activations recorded; 3: int8-activation weights in column chunks
 META = "image.json"
 TENSORS = "tensors.safetensors"
 TOKENIZER = "tokenizer.json"

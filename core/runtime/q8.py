@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -89,7 +90,8 @@ def _library_for(level: str) -> ctypes.CDLL:
     lib.q8_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.q8_isa.restype = ctypes.c_char_p
-    for name in ("q8_lanes", "q8_tile_rows", "q8_int16_available", "q8_int16_lanes", "q8_u8_available", "q8_u8_lanes"):
+    for name in ("q8_lanes", "q8_tile_rows", "q8_int16_available", "q8_int16_lanes", "q8_u8_available", "q8_u8_lanes",
+                 "q8_u8_chunk"):
         getattr(lib, name).restype = ctypes.c_int
     lib.q8_quantize_pack.restype = None
     lib.q8_quantize_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -107,6 +109,11 @@ def _library_for(level: str) -> ctypes.CDLL:
     lib.q8_linear_u8.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                  ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.q8_attend_vector.restype = ctypes.c_int
+    lib.q8_attend.restype = ctypes.c_int
+    lib.q8_attend.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 5, ctypes.c_void_p, ctypes.c_void_p,
+                              ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
+                              ctypes.c_void_p]
     lib.q8_rms_norm.restype = None
     lib.q8_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                 ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
@@ -146,6 +153,47 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, round_
     out = torch.empty_like(x)
     (lib or _library()).q8_rms_norm(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel() // max(d, 1), d,
                            None if weight is None else weight.data_ptr(), int(round_first), eps, out.data_ptr())
+    return out
+
+
+def attention_available(head_dim: int, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether :func:`attend` runs vectorised here for heads of ``head_dim`` (AVX-512; 64, 128 or
+    256 wide); elsewhere torch's attention is as fast or faster."""
+    try:
+        lib = lib or _library()
+    except OSError:
+        return False
+    return bool(lib.q8_attend_vector()) and head_dim in (64, 128, 256)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ends: Sequence[int], scale: float,
+           window: int | None = None, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """Attention of the rows ``q`` [T, H, D] over ``keys`` and ``values`` [1, Hkv, L, D] (views of a
+    KV buffer, read in place), row ``i`` over the keys before ``ends[i]`` (and within ``window`` of
+    it): [T, H * D] in ``q``'s dtype, float32 inside. Each row is computed on its own, the same way
+    whatever the other rows (see kernels/q8_linear.c), so a chain's rows attended in one call equal
+    the plain steps that attend them one by one. One C call instead of a torch attention call per
+    row; ``lib``: the library (:func:`_library`), for callers that look it up once."""
+    t, h, d = q.shape
+    hkv = keys.shape[1]
+    if q.dtype not in (torch.float32, torch.bfloat16) or keys.dtype != q.dtype or values.dtype != q.dtype:
+        raise ValueError(f"attend of {q.dtype} over {keys.dtype} keys: float32 or bfloat16, all alike")
+    if len(ends) != t or h % hkv or keys.shape[-1] != d or values.shape != keys.shape:
+        raise ValueError(f"attend: q {tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}, "
+                         f"{len(ends)} ends")
+    if q.stride(2) != 1 or q.stride(1) != d or keys.stride() != values.stride() or keys.stride(3) != 1:
+        raise ValueError("attend: q's heads and the cache's positions must be laid out contiguously")
+    length = keys.shape[2]
+    if any(not 0 < e <= length for e in ends):
+        raise ValueError(f"attend: row ends {list(ends)} outside 1..{length}")
+    end = torch.tensor(list(ends), dtype=torch.int64)
+    start = (end - window).clamp_(min=0) if window else torch.zeros_like(end)
+    out = torch.empty(t, h * d, dtype=q.dtype)
+    rc = (lib or _library()).q8_attend(q.data_ptr(), int(q.dtype == torch.bfloat16), t, h, hkv, d, q.stride(0),
+                                       keys.data_ptr(), values.data_ptr(), keys.stride(1), keys.stride(2),
+                                       start.data_ptr(), end.data_ptr(), scale, out.data_ptr())
+    if rc:
+        raise MemoryError("attend: no memory for the scores")
     return out
 
 
@@ -206,7 +254,35 @@ class Int8WeightLinear:
             # int8 mode: each row's sum of int8 weights, which takes the activations' offset out
             self.row_sums = (self.packed.view(-1, kv // lanes, tile_rows, lanes).sum((1, 3), dtype=torch.int32)
                              .reshape(-1)[:n].contiguous() if self.mode == "int8" else None)
+            self._chunk = self._lib.q8_u8_chunk() if self.mode == "int8" else 0
+            if self._chunk:
+                self.packed = self._chunked(self.packed)
         self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def _chunk_steps(self) -> list[tuple[int, int]]:
+        """(first step, steps) of each column chunk of the packed weights (one chunk: all of them)."""
+        lanes = self._layout[0]
+        steps = (self._padded_in - self._padded_in % lanes) // lanes
+        per = max(1, self._chunk // lanes) if self._chunk else max(steps, 1)
+        return [(at, min(per, steps - at)) for at in range(0, steps, per)]
+
+    def _chunked(self, packed: torch.Tensor) -> torch.Tensor:
+        """``packed`` (tiles of [steps][tile rows][lanes]) in column chunks, as the int8-activation
+        kernel reads it (kernels/q8_linear.c: each chunk holds every tile's columns of the chunk)."""
+        lanes, tile_rows = self._layout
+        body = packed.view(-(-self.out_features // tile_rows), -1, tile_rows, lanes)
+        return torch.cat([body[:, at:at + n].reshape(-1) for at, n in self._chunk_steps()])
+
+    def _tiled(self) -> torch.Tensor:
+        """The packed weights as tiles of [steps][tile rows][lanes], whatever the chunking."""
+        lanes, tile_rows = self._layout
+        tiles = -(-self.out_features // tile_rows)
+        parts, at = [], 0
+        for _, n in self._chunk_steps():
+            size = tiles * n * tile_rows * lanes
+            parts.append(self.packed[at:at + size].view(tiles, n, tile_rows, lanes))
+            at += size
+        return torch.cat(parts, dim=1).reshape(-1) if len(parts) > 1 else self.packed
 
     def _kernel_layout(self) -> tuple[int, int]:
         """(lanes, tile rows) the kernel built here packs for in this mode."""
@@ -222,7 +298,7 @@ class Int8WeightLinear:
         if self.bias is not None:
             tensors["bias"] = self.bias
         meta = {"mode": self.mode, "out_features": self.out_features, "in_features": self.in_features,
-                "padded_in": self._padded_in, "layout": list(self._layout)}
+                "padded_in": self._padded_in, "layout": list(self._layout), "chunk": self._chunk}
         return tensors, meta
 
     @classmethod
@@ -239,6 +315,9 @@ class Int8WeightLinear:
         if tuple(meta["layout"]) != layout:
             raise ValueError(f"packed for lanes and tile rows {tuple(meta['layout'])}, this kernel uses {layout}")
         self._layout = layout
+        self._chunk = self._lib.q8_u8_chunk() if self.mode == "int8" else 0
+        if int(meta.get("chunk", 0)) != self._chunk:
+            raise ValueError(f"packed in column chunks of {meta.get('chunk', 0)}, this kernel reads {self._chunk}")
         self.out_features, self.in_features = int(meta["out_features"]), int(meta["in_features"])
         self._padded_in = int(meta["padded_in"])
         kv = self._padded_in - self._padded_in % lanes
@@ -265,7 +344,7 @@ class Int8WeightLinear:
         n, k = self.out_features, self._padded_in
         kv = k - k % lanes
         tiles = -(-n // tile_rows)
-        body = self.packed.view(tiles, kv // lanes, tile_rows, lanes).transpose(1, 2).reshape(tiles * tile_rows, kv)[:n]
+        body = self._tiled().view(tiles, kv // lanes, tile_rows, lanes).transpose(1, 2).reshape(tiles * tile_rows, kv)[:n]
         q = torch.cat([body, self.tail], dim=1)[:, :self.in_features]
         return q.float() * self.scale[:, None]
 

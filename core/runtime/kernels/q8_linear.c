@@ -380,13 +380,13 @@ static inline __m128i sum4_u8(const __m512i a[NB]) {
     return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
-/* sums[i]: the dot products of activation row i with the tile's NB weight rows, as int64 [NB] */
-static inline __attribute__((always_inline)) void tile_u8(const uint8_t *restrict x, int64_t Kp,
+/* sums[i] += the dot products of activation row i (rows xs apart) over klen columns with the
+ * tile's NB weight rows (p: the tile's packed weights from the first of those columns), as int64 [NB] */
+static inline __attribute__((always_inline)) void tile_u8(const uint8_t *restrict x, int64_t xs, int64_t klen,
                                                           const int8_t *restrict p, const int mb,
                                                           __m256i *restrict sums) {
-    for (int i = 0; i < mb; i++) sums[i] = _mm256_setzero_si256();
-    for (int64_t k0 = 0; k0 < Kp; k0 += (int64_t)FLUSH8 * U8LANES) {
-        const int64_t k1 = k0 + (int64_t)FLUSH8 * U8LANES < Kp ? k0 + (int64_t)FLUSH8 * U8LANES : Kp;
+    for (int64_t k0 = 0; k0 < klen; k0 += (int64_t)FLUSH8 * U8LANES) {
+        const int64_t k1 = k0 + (int64_t)FLUSH8 * U8LANES < klen ? k0 + (int64_t)FLUSH8 * U8LANES : klen;
         __m512i acc[U8MB][NB];
         for (int i = 0; i < mb; i++)
             for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_si512();
@@ -394,7 +394,7 @@ static inline __attribute__((always_inline)) void tile_u8(const uint8_t *restric
             __m512i w[NB];
             for (int j = 0; j < NB; j++) w[j] = _mm512_loadu_si512((const void *)(p + j * U8LANES));
             for (int i = 0; i < mb; i++) {
-                __m512i xv = _mm512_loadu_si512((const void *)(x + i * Kp + k));
+                __m512i xv = _mm512_loadu_si512((const void *)(x + i * xs + k));
                 for (int j = 0; j < NB; j++) DOT_U8(acc[i][j], xv, w[j]);
             }
         }
@@ -402,39 +402,68 @@ static inline __attribute__((always_inline)) void tile_u8(const uint8_t *restric
     }
 }
 
-static void tile_u8_any(const uint8_t *x, int64_t Kp, const int8_t *p, int mb, __m256i *sums) {
+static void tile_u8_any(const uint8_t *x, int64_t xs, int64_t klen, const int8_t *p, int mb, __m256i *sums) {
     switch (mb) {
-        case 1: tile_u8(x, Kp, p, 1, sums); break;
-        case 2: tile_u8(x, Kp, p, 2, sums); break;
-        case 3: tile_u8(x, Kp, p, 3, sums); break;
-        case 4: tile_u8(x, Kp, p, 4, sums); break;
-        case 5: tile_u8(x, Kp, p, 5, sums); break;
-        case 6: tile_u8(x, Kp, p, 6, sums); break;
+        case 1: tile_u8(x, xs, klen, p, 1, sums); break;
+        case 2: tile_u8(x, xs, klen, p, 2, sums); break;
+        case 3: tile_u8(x, xs, klen, p, 3, sums); break;
+        case 4: tile_u8(x, xs, klen, p, 4, sums); break;
+        case 5: tile_u8(x, xs, klen, p, 5, sums); break;
+        case 6: tile_u8(x, xs, klen, p, 6, sums); break;
         default: break;
     }
 }
 
-/* y[m, n] = (float)((double)(dot - 128 * wsum[n]) * (double)sx[m] * (double)scale[n]) + bias[n],
- * four outputs at once (the same IEEE operations, in the same order, as one at a time) */
-static void rows_block_u8(const uint8_t *xq, const float *sx, int64_t M, int64_t Kp, const int8_t *packed,
-                          const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y,
-                          int64_t b) {
+/* y[m, n] = (float)((double)(dot - 128 * wsum[n]) * (double)sx[m] * (double)scale[n]) + bias[n] for
+ * the mb rows from m0 and tile b, four outputs at once (the same IEEE operations, in the same order,
+ * as one at a time) */
+static void finish_u8(const __m256i *sums, const float *sx, int64_t m0, int mb, const int32_t *wsum,
+                      const float *scale, const float *bias, int64_t N, float *y, int64_t b) {
     const int64_t n0 = b * NB;
     const int nb = (int)(N - n0 < NB ? N - n0 : NB);
-    const int8_t *p = packed + b * NB * Kp;
     const __mmask8 live = (__mmask8)((1u << nb) - 1u); /* the last tile may hold fewer than NB rows */
     const __m256i offset = _mm256_slli_epi64(_mm256_cvtepi32_epi64(_mm_maskz_loadu_epi32(live, wsum + n0)), 7);
     const __m256d sw = _mm256_cvtps_pd(_mm_maskz_loadu_ps(live, scale + n0));
     const __m128 bv = bias ? _mm_maskz_loadu_ps(live, bias + n0) : _mm_setzero_ps();
-    __m256i sums[U8MB];
+    for (int i = 0; i < mb; i++) {
+        const __m256d dot = _mm256_cvtepi64_pd(_mm256_sub_epi64(sums[i], offset));
+        __m128 v = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_mul_pd(dot, _mm256_set1_pd((double)sx[m0 + i])), sw));
+        if (bias) v = _mm_add_ps(v, bv);
+        _mm_mask_storeu_ps(y + (m0 + i) * N + n0, live, v);
+    }
+}
+
+/* Weights wider than U8CHUNK columns are packed in column chunks: chunk c (columns c * U8CHUNK
+ * on, klen of them) holds every tile's columns of that chunk, tile after tile, each as [klen / 64][NB][64]
+ * (with one chunk, the layout above). A group of activation rows then streams the weights in one
+ * sequential pass while only one chunk of its activations (at most 6 rows x 1024 bytes) is read
+ * again and again, and stays in the L1 cache: with whole rows of a wide product (the down
+ * product's 4864 columns x 6 rows, 29 KB) streamed weights evicted the activations, and 6 rows cost
+ * 2.5 times one. Each tile's partial sums are kept across chunks for up to U8BATCH tiles at a time;
+ * integer sums are exact in any order, so the result is the same bit for bit. */
+#define U8CHUNK 1024
+#define U8BATCH 64
+int q8_u8_chunk(void) { return U8CHUNK; }
+
+/* tiles b0..b1 of every activation row */
+static void blocks_u8(const uint8_t *xq, const float *sx, int64_t M, int64_t Kp, const int8_t *packed,
+                      const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y,
+                      int64_t b0, int64_t b1) {
+    const int64_t tiles = (N + NB - 1) / NB;
+    __m256i sums[U8BATCH * U8MB];
     for (int64_t m0 = 0; m0 < M; m0 += U8MB) {
         const int mb = (int)(M - m0 < U8MB ? M - m0 : U8MB);
-        tile_u8_any(xq + m0 * Kp, Kp, p, mb, sums);
-        for (int i = 0; i < mb; i++) {
-            const __m256d dot = _mm256_cvtepi64_pd(_mm256_sub_epi64(sums[i], offset));
-            __m128 v = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_mul_pd(dot, _mm256_set1_pd((double)sx[m0 + i])), sw));
-            if (bias) v = _mm_add_ps(v, bv);
-            _mm_mask_storeu_ps(y + (m0 + i) * N + n0, live, v);
+        const uint8_t *x = xq + m0 * Kp;
+        for (int64_t t0 = b0; t0 < b1; t0 += U8BATCH) {
+            const int64_t t1 = t0 + U8BATCH < b1 ? t0 + U8BATCH : b1;
+            for (int64_t i = 0; i < (t1 - t0) * U8MB; i++) sums[i] = _mm256_setzero_si256();
+            for (int64_t k0 = 0; k0 < Kp; k0 += U8CHUNK) {
+                const int64_t klen = Kp - k0 < U8CHUNK ? Kp - k0 : U8CHUNK;
+                const int8_t *chunk = packed + k0 * NB * tiles;
+                for (int64_t b = t0; b < t1; b++)
+                    tile_u8_any(x + k0, Kp, klen, chunk + b * NB * klen, mb, sums + (b - t0) * U8MB);
+            }
+            for (int64_t b = t0; b < t1; b++) finish_u8(sums + (b - t0) * U8MB, sx, m0, mb, wsum, scale, bias, N, y, b);
         }
     }
 }
@@ -484,15 +513,17 @@ void q8_linear_u8(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, con
         quantize_row_u8((const char *)x + (size_t)(m * K) * (bf16 ? 2 : 4), bf16, K, Kp, xq + m * Kp, sx + m);
     const int64_t blocks = (N + NB - 1) / NB;
     if (threads <= 1) {
-        for (int64_t b = 0; b < blocks; b++) rows_block_u8(xq, sx, M, Kp, packed, wsum, scale, bias, N, y, b);
+        blocks_u8(xq, sx, M, Kp, packed, wsum, scale, bias, N, y, 0, blocks);
         return;
     }
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t b = 0; b < blocks; b++) rows_block_u8(xq, sx, M, Kp, packed, wsum, scale, bias, N, y, b);
+    for (int t = 0; t < threads; t++)
+        blocks_u8(xq, sx, M, Kp, packed, wsum, scale, bias, N, y, blocks * t / threads, blocks * (t + 1) / threads);
 }
 #else
 int q8_u8_available(void) { return 0; }
 int q8_u8_lanes(void) { return 0; }
+int q8_u8_chunk(void) { return 0; }
 void q8_linear_u8(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, const int8_t *packed,
                   const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y, int threads,
                   uint8_t *xq, float *sx) {
@@ -573,4 +604,161 @@ void q8_quantize_rowmajor(const void *w, int bf16, int64_t N, int64_t K, int8_t 
             q[n * K + k] = (int8_t)(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
         }
     }
+}
+
+/* ---- attention of a few rows over a cache, for the lean forward ----------------------------------
+ * For each row r and query head h (kv head g = h / (H / Hkv)), over the keys j in [start[r], end[r]):
+ *   s_j = (q[r, h] . k[g, j]) * scale,  p_j = exp(s_j - max s),  out[r, h] = sum_j p_j v[g, j] / sum_j p_j
+ * in float32 from float32 or bfloat16 inputs (bf16 != 0: q, the cache and out are bfloat16), the
+ * result rounded to the dtype once. q is [T, H, D] with rows q_row apart (in elements); the cache's
+ * keys and values are [Hkv, L, D] with kv heads kv_head apart and positions kv_pos apart (the
+ * lean forward's KV buffers, read in place); out is [T, H * D], contiguous.
+ *
+ * Batch invariance by construction: a row's result depends on its own query and its own key range
+ * only, computed by the same sequence of operations whatever T is and wherever the row falls in
+ * it. So a chain's rows attended together equal the plain steps that attend them one at a time;
+ * one call replaces a torch attention call per row and layer (some 30-90 us each on one core).
+ * The exponential is computed in the same way for every key (a vector polynomial with AVX-512,
+ * libm's expf otherwise), and every sum runs in an order fixed by the key range alone. */
+#if defined(__AVX512F__)
+int q8_attend_vector(void) { return 1; }
+
+static inline __m512 load16_kv(const void *p, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)p);
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* exp(x) for x <= 0 (x below -87 gives exp(-87)): 2^n * poly(r), r = x - n ln 2, |r| <= 0.35, a
+ * degree-6 polynomial (relative error about 1e-7) */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* one kv head's G query heads of one row, D = 16 * NC */
+static inline __attribute__((always_inline)) void attend_group_vec(
+        const void *q, int bf16, int64_t G, const void *k, const void *v, int64_t kv_pos, int64_t start,
+        int64_t end, float scale, void *out, float *qf, float *s, const int NC) {
+    const int64_t D = 16 * NC, n = end - start;
+    const size_t es = bf16 ? 2 : 4;
+    for (int64_t i = 0; i < G; i++)
+        for (int c = 0; c < NC; c++)
+            _mm512_storeu_ps(qf + i * D + 16 * c, load16_kv((const char *)q + (size_t)(i * D + 16 * c) * es, bf16));
+    /* scores, one key at a time for all G heads (the key is loaded once) */
+    for (int64_t j = 0; j < n; j++) {
+        const char *kj = (const char *)k + (size_t)((start + j) * kv_pos) * es;
+        __m512 kc[16];
+        for (int c = 0; c < NC; c++) kc[c] = load16_kv(kj + (size_t)(16 * c) * es, bf16);
+        for (int64_t i = 0; i < G; i++) {
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qf + i * D), kc[0]);
+            for (int c = 1; c < NC; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + i * D + 16 * c), kc[c], acc);
+            s[i * n + j] = _mm512_reduce_add_ps(acc) * scale;
+        }
+    }
+    for (int64_t i = 0; i < G; i++) {
+        float *si = s + i * n;
+        const int64_t nv = n - n % 16;
+        const __mmask16 tail = (__mmask16)((1u << (n - nv)) - 1u);
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < nv; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(si + j));
+        if (tail) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, si + nv));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < nv; j += 16) {
+            const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(si + j), m));
+            _mm512_storeu_ps(si + j, p);
+            sum = _mm512_add_ps(sum, p);
+        }
+        if (tail) {
+            const __m512 p = _mm512_maskz_mov_ps(tail, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, si + nv), m)));
+            _mm512_mask_storeu_ps(si + nv, tail, p);
+            sum = _mm512_add_ps(sum, p);
+        }
+        const float total = _mm512_reduce_add_ps(sum);
+        __m512 acc[16];
+        for (int c = 0; c < NC; c++) acc[c] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            const char *vj = (const char *)v + (size_t)((start + j) * kv_pos) * es;
+            const __m512 p = _mm512_set1_ps(si[j]);
+            for (int c = 0; c < NC; c++) acc[c] = _mm512_fmadd_ps(p, load16_kv(vj + (size_t)(16 * c) * es, bf16), acc[c]);
+        }
+        const __m512 t = _mm512_set1_ps(total);
+        for (int c = 0; c < NC; c++) {
+            float o[16];
+            _mm512_storeu_ps(o, _mm512_div_ps(acc[c], t));
+            for (int l = 0; l < 16; l++) store_any(out, bf16, i * D + 16 * c + l, o[l]);
+        }
+    }
+}
+#else
+int q8_attend_vector(void) { return 0; }
+#endif
+
+/* the same in plain C (any D; libm's expf) */
+static void attend_group_scalar(const void *q, int bf16, int64_t G, int64_t D, const void *k, const void *v,
+                                int64_t kv_pos, int64_t start, int64_t end, float scale, void *out, float *s) {
+    const int64_t n = end - start;
+    for (int64_t i = 0; i < G; i++) {
+        float *si = s + i * n;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < n; j++) {
+            float acc = 0.0f;
+            for (int64_t d = 0; d < D; d++)
+                acc = acc + load_any(q, bf16, i * D + d) * load_any(k, bf16, (start + j) * kv_pos + d);
+            si[j] = acc * scale;
+            m = si[j] > m ? si[j] : m;
+        }
+        float total = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            si[j] = expf(si[j] - m);
+            total = total + si[j];
+        }
+        for (int64_t d = 0; d < D; d++) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < n; j++) acc = acc + si[j] * load_any(v, bf16, (start + j) * kv_pos + d);
+            store_any(out, bf16, i * D + d, acc / total);
+        }
+    }
+}
+
+/* returns 0, or -1 where scratch could not be allocated */
+int q8_attend(const void *q, int bf16, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t q_row,
+              const void *k, const void *v, int64_t kv_head, int64_t kv_pos, const int64_t *start,
+              const int64_t *end, float scale, void *out) {
+    const int64_t G = H / Hkv;
+    const size_t es = bf16 ? 2 : 4;
+    int64_t longest = 1;
+    for (int64_t r = 0; r < T; r++) longest = end[r] - start[r] > longest ? end[r] - start[r] : longest;
+    float *s = (float *)malloc(sizeof(float) * (size_t)(G * (longest + 16) + G * D));
+    if (!s) return -1;
+    float *qf = s + G * (longest + 16);
+    for (int64_t r = 0; r < T; r++)
+        for (int64_t g = 0; g < Hkv; g++) {
+            const char *qg = (const char *)q + (size_t)(r * q_row + g * G * D) * es;
+            const char *kg = (const char *)k + (size_t)(g * kv_head) * es;
+            const char *vg = (const char *)v + (size_t)(g * kv_head) * es;
+            char *og = (char *)out + (size_t)(r * H * D + g * G * D) * es;
+#if defined(__AVX512F__)
+            if (D == 64) { attend_group_vec(qg, bf16, G, kg, vg, kv_pos, start[r], end[r], scale, og, qf, s, 4); continue; }
+            if (D == 128) { attend_group_vec(qg, bf16, G, kg, vg, kv_pos, start[r], end[r], scale, og, qf, s, 8); continue; }
+            if (D == 256) { attend_group_vec(qg, bf16, G, kg, vg, kv_pos, start[r], end[r], scale, og, qf, s, 16); continue; }
+#else
+            (void)qf;
+#endif
+            attend_group_scalar(qg, bf16, G, D, kg, vg, kv_pos, start[r], end[r], scale, og, s);
+        }
+    free(s);
+    return 0;
 }
