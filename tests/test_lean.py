@@ -10,13 +10,13 @@ from dynaspec.plugins.tiny import tiny_target
 from dynaspec.runtime.target import TargetModel
 
 
-def _qwen2_target(seed: int = 0) -> TargetModel:
+def _qwen2_target(seed: int = 0, *, hidden: int = 32, heads: int = 4) -> TargetModel:
     """A tiny random Qwen 2 (biases on Q, K and V; a sliding window on its second layer)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    config = Qwen2Config(vocab_size=128, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=512,
                          tie_word_embeddings=True, use_sliding_window=True, sliding_window=6,
                          max_window_layers=1)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
@@ -80,6 +80,51 @@ def test_lean_chain_rows_equal_plain_steps_where_the_probe_says_so(kind, tmp_pat
         assert torch.equal(one, many)
     else:
         assert "variant" in verdicts.values()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_attention_rows_equal_plain_steps_and_torch(dtype, tmp_path, monkeypatch):
+    """The compiled attention kernel (q8.attend), which the lean forward uses with the quantised
+    weights, on a Qwen 2 with 64-wide heads (4 query heads on 2 kv heads, a sliding window of 6 on
+    its second layer): after the probe, a chain's rows equal the plain steps' bit for bit, past the
+    window, and agree with torch's attention on the same products."""
+    from dynaspec.runtime import q8
+
+    if q8.available() is not None or not q8.attention_available(64) or "int8" not in q8.modes():
+        pytest.skip("the compiled attention runs vectorised with AVX-512 only (w8a8: with VNNI)")
+    monkeypatch.setenv("DYNASPEC_CACHE_DIR", str(tmp_path))
+    compiled, reference = (_qwen2_target(hidden=256, heads=4).to(dtype=dtype).use_weights("w8a8") for _ in range(2))
+    for t in (compiled, reference):
+        t.make_batch_invariant()
+    assert compiled.batch_invariant and "compiled kernel" in compiled.batch_invariance["attention"]
+    reference._lean._c_attend = None  # the same products, torch's attention row by row
+    ids = torch.randint(3, 100, (24,), generator=torch.Generator().manual_seed(5))
+    steps, chain, ref = compiled.new_cache(4), compiled.new_cache(4), reference.new_cache(4)
+    for t, c in ((compiled, steps), (compiled, chain), (reference, ref)):
+        t.forward(ids[:9], torch.arange(9), c)
+    one = torch.cat([compiled.forward(ids[p:p + 1], torch.tensor([p]), steps) for p in range(9, 24)])
+    many = torch.cat([compiled.forward(ids[a:b], torch.arange(a, b), chain, chain=True)
+                      for a, b in ((9, 15), (15, 16), (16, 24))])
+    assert torch.equal(one, many)
+    torch_rows = torch.cat([reference.forward(ids[p:p + 1], torch.tensor([p]), ref) for p in range(9, 24)])
+    tol = 1e-4 if dtype == torch.float32 else 0.05
+    torch.testing.assert_close(one.float(), torch_rows.float(), rtol=tol, atol=tol)
+
+
+def test_compiled_attention_refuses_bad_input():
+    from dynaspec.runtime import q8
+
+    if q8.available() is not None:
+        pytest.skip(q8.available())
+    q, k = torch.randn(2, 4, 64), torch.randn(1, 2, 10, 64)
+    with pytest.raises(ValueError, match="ends"):
+        q8.attend(q, k, k, [10], 0.125)  # one end for two rows
+    with pytest.raises(ValueError, match="outside"):
+        q8.attend(q, k, k, [10, 11], 0.125)  # past the keys
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        q8.attend(q.half(), k.half(), k.half(), [9, 10], 0.125)
+    torch.testing.assert_close(  # a row over one key is that key's value
+        q8.attend(q[:1], k, k, [1], 0.125).view(4, 64), k[0, :, 0].repeat_interleave(2, dim=0))
 
 
 def test_fused_weights_are_shared_with_the_hugging_face_modules():

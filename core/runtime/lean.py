@@ -224,9 +224,13 @@ class LeanDecoder:
     :class:`LeanParts`; ``linear`` makes the product of each weight (the numerics probe's choice
     of kernel). ``c_norm``: RMS norms through the compiled kernel
     (:func:`dynaspec.runtime.q8.rms_norm`, one call instead of some eight tensor operations;
-    row-wise like the rest), on a CPU where it builds; used with ``weights = "int8"``."""
+    row-wise like the rest), on a CPU where it builds; used with ``weights = "int8"`` and
+    ``"w8a8"``. ``c_attend``: plain steps and chains attend through the compiled kernel
+    (:func:`dynaspec.runtime.q8.attend`: all of a chain's rows in one call per layer, each row as
+    its plain step computes it), where it runs vectorised; else torch's attention row by row."""
 
-    def __init__(self, model, linear: LinearFactory = stock_linears, *, c_norm: bool = False) -> None:
+    def __init__(self, model, linear: LinearFactory = stock_linears, *, c_norm: bool = False,
+                 c_attend: bool = False) -> None:
         parts = model if isinstance(model, LeanParts) else LeanParts.from_model(model)
         self.parts = parts
         self.family = parts.family
@@ -256,6 +260,12 @@ class LeanDecoder:
                     if layer.qk_norm is not None:
                         layer.qk_norm = tuple(n.float() for n in layer.qk_norm)
                 self.final_norm = self.final_norm.float()
+        self._c_attend = None
+        if c_attend and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
+            from dynaspec.runtime import q8
+
+            if q8.available() is None and q8.attention_available(self.head_dim):
+                self._c_attend = functools.partial(q8.attend, lib=q8._library())
         self._inv_freq = {kind: (parts.inv_freq[kind], parts.rope_scales[kind]) for kind in set(types)}
         self._types = types
         self._tables: dict[str, torch.Tensor] = {}
@@ -300,6 +310,9 @@ class LeanDecoder:
         """Attention of the new rows ``q`` [T, H, D] over the cache ``keys``/``values`` [1, Hkv, L, D]
         (its last T entries are the new rows'): [T, H * D]."""
         t, length = q.shape[0], keys.shape[2]
+        if self._c_attend is not None and (t == 1 or (chain and tree_mask is None)):
+            # each row over the keys up to its own position, all rows in one call
+            return self._c_attend(q, keys, values, range(length - t + 1, length + 1), self.scaling, window)
         if t == 1:
             return self._attend_row(q[0], keys, values, length, window)
         if chain and tree_mask is None:  # row by row, each as the plain step at its position computes it

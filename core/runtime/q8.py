@@ -178,6 +178,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ends: Sequ
     hkv = keys.shape[1]
     if q.dtype not in (torch.float32, torch.bfloat16) or keys.dtype != q.dtype or values.dtype != q.dtype:
         raise ValueError(f"attend of {q.dtype} over {keys.dtype} keys: float32 or bfloat16, all alike")
+    ends = list(ends)
     if len(ends) != t or h % hkv or keys.shape[-1] != d or values.shape != keys.shape:
         raise ValueError(f"attend: q {tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}, "
                          f"{len(ends)} ends")
@@ -186,12 +187,12 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ends: Sequ
     length = keys.shape[2]
     if any(not 0 < e <= length for e in ends):
         raise ValueError(f"attend: row ends {list(ends)} outside 1..{length}")
-    end = torch.tensor(list(ends), dtype=torch.int64)
-    start = (end - window).clamp_(min=0) if window else torch.zeros_like(end)
+    end = (ctypes.c_int64 * t)(*ends)
+    start = (ctypes.c_int64 * t)(*(max(0, e - window) if window else 0 for e in ends))
     out = torch.empty(t, h * d, dtype=q.dtype)
     rc = (lib or _library()).q8_attend(q.data_ptr(), int(q.dtype == torch.bfloat16), t, h, hkv, d, q.stride(0),
                                        keys.data_ptr(), values.data_ptr(), keys.stride(1), keys.stride(2),
-                                       start.data_ptr(), end.data_ptr(), scale, out.data_ptr())
+                                       start, end, scale, out.data_ptr())
     if rc:
         raise MemoryError("attend: no memory for the scores")
     return out
