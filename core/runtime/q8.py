@@ -24,6 +24,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -349,7 +350,30 @@ class Int8WeightLinear:
         q = torch.cat([body, self.tail], dim=1)[:, :self.in_features]
         return q.float() * self.scale[:, None]
 
+    def _scratch_for(self, m: int) -> tuple[int, int]:
+        """Pointers to scratch for ``m`` quantised activation rows and their scales (integer modes),
+        kept per row count and thread: they never leave the C call that fills them."""
+        key = (m, threading.get_ident())
+        scratch = self.__dict__.setdefault("_scratch", {})
+        found = scratch.get(key)
+        if found is None:
+            xq = torch.empty(m, self._padded_in, dtype=torch.uint8 if self.mode == "int8" else torch.int16)
+            sx = torch.empty(m, dtype=torch.float32)
+            found = scratch[key] = (xq, sx, xq.data_ptr(), sx.data_ptr())
+        return found[2], found[3]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.mode == "int8" and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous()
+                and x.shape[1] == self.in_features and x.shape[0]):
+            # the decode loop's case (a few contiguous rows), with as little around the C call as it takes
+            m = x.shape[0]
+            out = torch.empty(m, self.out_features, dtype=torch.float32)
+            xq, sx = self._scratch_for(m)
+            self._lib.q8_linear_u8(x.data_ptr(), int(x.dtype == torch.bfloat16), m, self.in_features, self._padded_in,
+                                   self.packed.data_ptr(), self.row_sums.data_ptr(), self.scale.data_ptr(),
+                                   None if self.bias is None else self.bias.data_ptr(), self.out_features,
+                                   out.data_ptr(), torch.get_num_threads(), xq, sx)
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
         shape = x.shape
         if shape[-1] != self.in_features:
             raise ValueError(f"input of {shape[-1]} features for a product with {self.in_features} input features")
