@@ -11,6 +11,8 @@ numerics probe pads (see ``dynaspec.runtime.batch_invariance``); the times say w
 ``--kernel float16`` or ``--kernel int8`` times the products of ``weights = "float16"`` and of
 the int8 head instead (``dynaspec.runtime.quantized``), on the same weights; with ``--kernel int8``,
 ``--mode`` picks how its activations enter the products (``dynaspec.runtime.q8.MODES``).
+``--from-memory`` times each product over every layer's weights in turn, so that they come from
+memory as in a forward, not from the cache (one product at a time keeps a layer's weights cached).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="float: F.linear in the dtype; float16 / int8: the quantised kernels")
     parser.add_argument("--mode", choices=["float", "int16", "int8"],
                         help="with --kernel int8: the activations' precision (default: the kernel's default)")
+    parser.add_argument("--from-memory", action="store_true",
+                        help="cycle through every layer's weights of each product (as a forward reads them)")
     args = parser.parse_args(argv)
 
     import torch
@@ -42,36 +46,46 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target(args.target).to(dtype=args.dtype)
     lean = target._lean_decoder()
     layer = lean.layers[0]
-    shapes = {"qkv": layer.qkv_weight, "o": target.decoder.layers[0].self_attn.o_proj.weight,
-              "gate-up": layer.gate_up_weight, "down": target.decoder.layers[0].mlp.down_proj.weight,
-              "lm head": target.lm_head_weight}
+    count = len(lean.layers) if args.from_memory else 1
+    layers = target.decoder.layers
+    shapes = {"qkv": [lean.layers[i].qkv_weight for i in range(count)],
+              "o": [layers[i].self_attn.o_proj.weight for i in range(count)],
+              "gate-up": [lean.layers[i].gate_up_weight for i in range(count)],
+              "down": [layers[i].mlp.down_proj.weight for i in range(count)],
+              "lm head": [target.lm_head_weight]}
     rows = (1, 2, 3, 4, 6, 8)
     gen = torch.Generator().manual_seed(0)
     print(f"{target.name}, {args.dtype}, {args.kernel} kernel{f' ({args.mode})' if args.mode else ''}, {args.threads} thread(s), "
-          f"{torch.backends.cpu.get_cpu_capability()}")
+          f"{torch.backends.cpu.get_cpu_capability()}, weights {'from memory' if args.from_memory else 'cached'}")
     print("| product | shape | " + " | ".join(f"{r} row{'s' if r > 1 else ''}, ms" for r in rows)
           + " | row counts that agree (1..16) |")
     print("|---|---|" + "---|" * len(rows) + "---|")
     with torch.inference_mode():
-        for name, weight in shapes.items():
+        for name, weights in shapes.items():
+            weight = weights[0]
             x = torch.randn(16, weight.shape[1], generator=gen).to(weight.dtype)
-            if args.kernel == "float":
-                product = functools.partial(F.linear, weight=weight)
-            elif args.kernel == "int8" and args.mode:
-                from dynaspec.runtime.q8 import Int8WeightLinear
 
-                product = Int8WeightLinear(weight, mode=args.mode)
-            else:
+            def make(w):
+                if args.kernel == "float":
+                    return functools.partial(F.linear, weight=w)
+                if args.kernel == "int8" and args.mode:
+                    from dynaspec.runtime.q8 import Int8WeightLinear
+
+                    return Int8WeightLinear(w, mode=args.mode)
                 from dynaspec.runtime.quantized import make_kernel
 
-                product = make_kernel(args.kernel, weight)
+                return make_kernel(args.kernel, w)
+
+            products = [make(w) for w in weights]
+            product = products[0]
             times = []
             for r in rows:
                 samples = []
                 for _ in range(args.repeats):
-                    start = time.perf_counter()
-                    product(x[:r])
-                    samples.append(time.perf_counter() - start)
+                    for each in products:
+                        start = time.perf_counter()
+                        each(x[:r])
+                        samples.append(time.perf_counter() - start)
                 times.append(1e3 * statistics.median(samples))
             out = {m: product(x[:m]) for m in range(1, 17)}
             classes: list[list[int]] = []

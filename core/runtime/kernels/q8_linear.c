@@ -442,7 +442,9 @@ static void finish_u8(const __m256i *sums, const float *sx, int64_t m0, int mb, 
  * 2.5 times one. Each tile's partial sums are kept across chunks for up to U8BATCH tiles at a time;
  * integer sums are exact in any order, so the result is the same bit for bit. */
 #define U8CHUNK 1024
+#ifndef U8BATCH
 #define U8BATCH 64
+#endif
 int q8_u8_chunk(void) { return U8CHUNK; }
 
 /* tiles b0..b1 of every activation row */
@@ -454,6 +456,15 @@ static void blocks_u8(const uint8_t *xq, const float *sx, int64_t M, int64_t Kp,
     for (int64_t m0 = 0; m0 < M; m0 += U8MB) {
         const int mb = (int)(M - m0 < U8MB ? M - m0 : U8MB);
         const uint8_t *x = xq + m0 * Kp;
+        if (Kp <= U8CHUNK) {  /* one chunk: tile after tile, each finished at once */
+            for (int64_t b = b0; b < b1; b++) {
+                __m256i one[U8MB];
+                for (int i = 0; i < mb; i++) one[i] = _mm256_setzero_si256();
+                tile_u8_any(x, Kp, Kp, packed + b * NB * Kp, mb, one);
+                finish_u8(one, sx, m0, mb, wsum, scale, bias, N, y, b);
+            }
+            continue;
+        }
         for (int64_t t0 = b0; t0 < b1; t0 += U8BATCH) {
             const int64_t t1 = t0 + U8BATCH < b1 ? t0 + U8BATCH : b1;
             for (int64_t i = 0; i < (t1 - t0) * U8MB; i++) sums[i] = _mm256_setzero_si256();
