@@ -380,9 +380,68 @@ static inline __m128i sum4_u8(const __m512i a[NB]) {
     return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
+/* one chunk (weights of at most U8CHUNK columns): sums[i]: the dot products of activation row i with the tile's NB weight rows, as int64 [NB] */
+static inline __attribute__((always_inline)) void tile_u8(const uint8_t *restrict x, int64_t Kp,
+                                                          const int8_t *restrict p, const int mb,
+                                                          __m256i *restrict sums) {
+    for (int i = 0; i < mb; i++) sums[i] = _mm256_setzero_si256();
+    for (int64_t k0 = 0; k0 < Kp; k0 += (int64_t)FLUSH8 * U8LANES) {
+        const int64_t k1 = k0 + (int64_t)FLUSH8 * U8LANES < Kp ? k0 + (int64_t)FLUSH8 * U8LANES : Kp;
+        __m512i acc[U8MB][NB];
+        for (int i = 0; i < mb; i++)
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_si512();
+        for (int64_t k = k0; k < k1; k += U8LANES, p += NB * U8LANES) {
+            __m512i w[NB];
+            for (int j = 0; j < NB; j++) w[j] = _mm512_loadu_si512((const void *)(p + j * U8LANES));
+            for (int i = 0; i < mb; i++) {
+                __m512i xv = _mm512_loadu_si512((const void *)(x + i * Kp + k));
+                for (int j = 0; j < NB; j++) DOT_U8(acc[i][j], xv, w[j]);
+            }
+        }
+        for (int i = 0; i < mb; i++) sums[i] = _mm256_add_epi64(sums[i], _mm256_cvtepi32_epi64(sum4_u8(acc[i])));
+    }
+}
+
+static void tile_u8_any(const uint8_t *x, int64_t Kp, const int8_t *p, int mb, __m256i *sums) {
+    switch (mb) {
+        case 1: tile_u8(x, Kp, p, 1, sums); break;
+        case 2: tile_u8(x, Kp, p, 2, sums); break;
+        case 3: tile_u8(x, Kp, p, 3, sums); break;
+        case 4: tile_u8(x, Kp, p, 4, sums); break;
+        case 5: tile_u8(x, Kp, p, 5, sums); break;
+        case 6: tile_u8(x, Kp, p, 6, sums); break;
+        default: break;
+    }
+}
+
+/* y[m, n] = (float)((double)(dot - 128 * wsum[n]) * (double)sx[m] * (double)scale[n]) + bias[n],
+ * four outputs at once (the same IEEE operations, in the same order, as one at a time) */
+static void rows_block_u8(const uint8_t *xq, const float *sx, int64_t M, int64_t Kp, const int8_t *packed,
+                          const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y,
+                          int64_t b) {
+    const int64_t n0 = b * NB;
+    const int nb = (int)(N - n0 < NB ? N - n0 : NB);
+    const int8_t *p = packed + b * NB * Kp;
+    const __mmask8 live = (__mmask8)((1u << nb) - 1u); /* the last tile may hold fewer than NB rows */
+    const __m256i offset = _mm256_slli_epi64(_mm256_cvtepi32_epi64(_mm_maskz_loadu_epi32(live, wsum + n0)), 7);
+    const __m256d sw = _mm256_cvtps_pd(_mm_maskz_loadu_ps(live, scale + n0));
+    const __m128 bv = bias ? _mm_maskz_loadu_ps(live, bias + n0) : _mm_setzero_ps();
+    __m256i sums[U8MB];
+    for (int64_t m0 = 0; m0 < M; m0 += U8MB) {
+        const int mb = (int)(M - m0 < U8MB ? M - m0 : U8MB);
+        tile_u8_any(xq + m0 * Kp, Kp, p, mb, sums);
+        for (int i = 0; i < mb; i++) {
+            const __m256d dot = _mm256_cvtepi64_pd(_mm256_sub_epi64(sums[i], offset));
+            __m128 v = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_mul_pd(dot, _mm256_set1_pd((double)sx[m0 + i])), sw));
+            if (bias) v = _mm_add_ps(v, bv);
+            _mm_mask_storeu_ps(y + (m0 + i) * N + n0, live, v);
+        }
+    }
+}
+
 /* sums[i] += the dot products of activation row i (rows xs apart) over klen columns with the
  * tile's NB weight rows (p: the tile's packed weights from the first of those columns), as int64 [NB] */
-static inline __attribute__((always_inline)) void tile_u8(const uint8_t *restrict x, int64_t xs, int64_t klen,
+static inline __attribute__((always_inline)) void tile_u8c(const uint8_t *restrict x, int64_t xs, int64_t klen,
                                                           const int8_t *restrict p, const int mb,
                                                           __m256i *restrict sums) {
     for (int64_t k0 = 0; k0 < klen; k0 += (int64_t)FLUSH8 * U8LANES) {
@@ -402,14 +461,14 @@ static inline __attribute__((always_inline)) void tile_u8(const uint8_t *restric
     }
 }
 
-static void tile_u8_any(const uint8_t *x, int64_t xs, int64_t klen, const int8_t *p, int mb, __m256i *sums) {
+static void tile_u8c_any(const uint8_t *x, int64_t xs, int64_t klen, const int8_t *p, int mb, __m256i *sums) {
     switch (mb) {
-        case 1: tile_u8(x, xs, klen, p, 1, sums); break;
-        case 2: tile_u8(x, xs, klen, p, 2, sums); break;
-        case 3: tile_u8(x, xs, klen, p, 3, sums); break;
-        case 4: tile_u8(x, xs, klen, p, 4, sums); break;
-        case 5: tile_u8(x, xs, klen, p, 5, sums); break;
-        case 6: tile_u8(x, xs, klen, p, 6, sums); break;
+        case 1: tile_u8c(x, xs, klen, p, 1, sums); break;
+        case 2: tile_u8c(x, xs, klen, p, 2, sums); break;
+        case 3: tile_u8c(x, xs, klen, p, 3, sums); break;
+        case 4: tile_u8c(x, xs, klen, p, 4, sums); break;
+        case 5: tile_u8c(x, xs, klen, p, 5, sums); break;
+        case 6: tile_u8c(x, xs, klen, p, 6, sums); break;
         default: break;
     }
 }
@@ -439,42 +498,41 @@ static void finish_u8(const __m256i *sums, const float *sx, int64_t m0, int mb, 
  * sequential pass while only one chunk of its activations (at most 6 rows x 1024 bytes) is read
  * again and again, and stays in the L1 cache: with whole rows of a wide product (the down
  * product's 4864 columns x 6 rows, 29 KB) streamed weights evicted the activations, and 6 rows cost
- * 2.5 times one. Each tile's partial sums are kept across chunks for up to U8BATCH tiles at a time;
+ * 2.5 times one. Each tile's partial sums are kept across chunks for U8BATCH tiles at a time;
  * integer sums are exact in any order, so the result is the same bit for bit. */
 #define U8CHUNK 1024
 #ifndef U8BATCH
-#define U8BATCH 64
+#define U8BATCH 32
 #endif
 int q8_u8_chunk(void) { return U8CHUNK; }
 
-/* tiles b0..b1 of every activation row */
+/* tiles b0..b1 of every activation row. Groups of U8MB rows share each pass over the weights; a
+ * further group reads them again from the cache (a tile, or U8BATCH tiles of chunked weights, at a
+ * time), not from memory. */
 static void blocks_u8(const uint8_t *xq, const float *sx, int64_t M, int64_t Kp, const int8_t *packed,
                       const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y,
                       int64_t b0, int64_t b1) {
     const int64_t tiles = (N + NB - 1) / NB;
+    if (Kp <= U8CHUNK) {  /* one chunk: tile after tile, every row group on each */
+        for (int64_t b = b0; b < b1; b++) rows_block_u8(xq, sx, M, Kp, packed, wsum, scale, bias, N, y, b);
+        return;
+    }
     __m256i sums[U8BATCH * U8MB];
-    for (int64_t m0 = 0; m0 < M; m0 += U8MB) {
-        const int mb = (int)(M - m0 < U8MB ? M - m0 : U8MB);
-        const uint8_t *x = xq + m0 * Kp;
-        if (Kp <= U8CHUNK) {  /* one chunk: tile after tile, each finished at once */
-            for (int64_t b = b0; b < b1; b++) {
-                __m256i one[U8MB];
-                for (int i = 0; i < mb; i++) one[i] = _mm256_setzero_si256();
-                tile_u8_any(x, Kp, Kp, packed + b * NB * Kp, mb, one);
-                finish_u8(one, sx, m0, mb, wsum, scale, bias, N, y, b);
-            }
-            continue;
-        }
-        for (int64_t t0 = b0; t0 < b1; t0 += U8BATCH) {
-            const int64_t t1 = t0 + U8BATCH < b1 ? t0 + U8BATCH : b1;
-            for (int64_t i = 0; i < (t1 - t0) * U8MB; i++) sums[i] = _mm256_setzero_si256();
+    /* fewer rows, more tiles a batch: the same partial sums, longer runs of the weights' stream */
+    const int64_t batch = M < U8MB ? U8BATCH * U8MB / M : U8BATCH;
+    for (int64_t t0 = b0; t0 < b1; t0 += batch) {
+        const int64_t t1 = t0 + batch < b1 ? t0 + batch : b1;
+        for (int64_t m0 = 0; m0 < M; m0 += U8MB) {
+            const int mb = (int)(M - m0 < U8MB ? M - m0 : U8MB);
+            const uint8_t *x = xq + m0 * Kp;
+            for (int64_t i = 0; i < (t1 - t0) * mb; i++) sums[i] = _mm256_setzero_si256();
             for (int64_t k0 = 0; k0 < Kp; k0 += U8CHUNK) {
                 const int64_t klen = Kp - k0 < U8CHUNK ? Kp - k0 : U8CHUNK;
                 const int8_t *chunk = packed + k0 * NB * tiles;
                 for (int64_t b = t0; b < t1; b++)
-                    tile_u8_any(x + k0, Kp, klen, chunk + b * NB * klen, mb, sums + (b - t0) * U8MB);
+                    tile_u8c_any(x + k0, Kp, klen, chunk + b * NB * klen, mb, sums + (b - t0) * mb);
             }
-            for (int64_t b = t0; b < t1; b++) finish_u8(sums + (b - t0) * U8MB, sx, m0, mb, wsum, scale, bias, N, y, b);
+            for (int64_t b = t0; b < t1; b++) finish_u8(sums + (b - t0) * mb, sx, m0, mb, wsum, scale, bias, N, y, b);
         }
     }
 }
