@@ -111,6 +111,38 @@ def test_compiled_attention_rows_equal_plain_steps_and_torch(dtype, tmp_path, mo
     torch.testing.assert_close(one.float(), torch_rows.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (8, 8, 128), (4, 1, 256)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_attention_is_attention(heads, kv_heads, head_dim, dtype):
+    """q8.attend against torch's attention, row by row, at every head width it runs vectorised
+    (Qwen 2.5's 64, Gemma 3's 256), with a window, over a KV buffer read in place (a view of a
+    longer one); and each row alike whatever the other rows."""
+    import torch.nn.functional as F
+
+    from dynaspec.runtime import q8
+
+    if q8.available() is not None or not q8.attention_available(head_dim):
+        pytest.skip("the compiled attention runs vectorised with AVX-512 only")
+    gen = torch.Generator().manual_seed(7)
+    buffer = torch.randn(2, 1, kv_heads, 64, head_dim, generator=gen).to(dtype)
+    keys, values = buffer[0, :, :, :37], buffer[1, :, :, :37]  # 37: a tail past 2 blocks of 16
+    q = (2 * torch.randn(5, heads, head_dim, generator=gen)).to(dtype)
+    ends = [33, 34, 35, 36, 37]
+    for window in (None, 20):
+        got = q8.attend(q, keys, values, ends, head_dim ** -0.5, window)
+        alone = torch.cat([q8.attend(q[i:i + 1], keys, values, [e], head_dim ** -0.5, window)
+                           for i, e in enumerate(ends)])
+        assert torch.equal(got, alone)
+        want = []
+        for i, end in enumerate(ends):
+            start = max(0, end - window) if window else 0
+            rows = q[i].float().view(1, kv_heads, heads // kv_heads, head_dim)
+            want.append(F.scaled_dot_product_attention(rows, keys[:, :, start:end].float(), values[:, :, start:end].float(),
+                                                       scale=head_dim ** -0.5).reshape(1, -1))
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.float(), torch.cat(want), rtol=tol, atol=tol)
+
+
 def test_compiled_attention_refuses_bad_input():
     from dynaspec.runtime import q8
 
