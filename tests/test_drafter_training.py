@@ -243,8 +243,17 @@ def test_training_can_start_from_a_drafter_and_keeps_its_record(tmp_path, fake_p
     assert any(not torch.equal(fresh.state_dict()[k], v.float()) for k, v in start.state_dict().items())
     with pytest.raises(ConfigError, match="feature layers .1. differ from the starting drafter's .0."):
         dt.train(target, work, tmp_path / "d", steps=2, init=start, feature_layers=[1], **kwargs)
-    with pytest.raises(ConfigError, match="width 48 differs"):
+    assert start.cfg.intermediate_size > 48
+    with pytest.raises(ConfigError, match="width 48 is narrower than the starting drafter's"):
         dt.train(target, work, tmp_path / "d", steps=2, init=start, intermediate_size=48, **kwargs)
+    wide = 2 * start.cfg.intermediate_size  # wider: widened, the same function while nothing moves
+    widened = dt.train(target, work, tmp_path / "w2", steps=2, lr=0.0, init=start, intermediate_size=wide, **kwargs)
+    assert widened.cfg.intermediate_size == wide
+    x = torch.randn(1, 5, start.cfg.hidden_size)
+    feats = torch.randn(1, 5, start.cfg.hidden_size * len(start.cfg.feature_layers))
+    pos = torch.arange(5)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(widened(x, widened.project(feats), pos), start.float()(x, start.float().project(feats), pos))
 
     args = ["train-drafter", "--target", "tiny-llama", "--stage", "train", "--work", str(work), "--steps", "2",
             "--batch-positions", "32", "--window", "16"]
