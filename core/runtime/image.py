@@ -187,7 +187,7 @@ class ImageTarget(TargetModel):
                               f"not \"{kind}\"")
         return self
 
-    def _build_lean(self, linear=None, c_norm: bool = False, c_attend: bool = False):
+    def _build_lean(self, linear=None, compiled: bool = False):
         from dynaspec.runtime.lean import LeanDecoder, stock_linears
         from dynaspec.runtime.quantized import PackedWeight
 
@@ -196,7 +196,7 @@ class ImageTarget(TargetModel):
                 return (weight.kernel,) * 3
             return stock_linears(weight, bias)
 
-        return LeanDecoder(self._parts, linear or stock, c_norm=c_norm, c_attend=c_attend)
+        return LeanDecoder(self._parts, linear or stock, compiled=compiled)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -222,15 +222,13 @@ class LeanDecoder:
     """The decoder of a Hugging Face Llama / Qwen 2 / Gemma 3 model as plain tensor code (see the
     module docstring). Build it after the model's final cast and move, from the model or from its
     :class:`LeanParts`; ``linear`` makes the product of each weight (the numerics probe's choice
-    of kernel). ``c_norm``: RMS norms through the compiled kernel
-    (:func:`dynaspec.runtime.q8.rms_norm`, one call instead of some eight tensor operations;
-    row-wise like the rest), on a CPU where it builds; used with ``weights = "int8"`` and
-    ``"w8a8"``. ``c_attend``: plain steps and chains attend through the compiled kernel
-    (:func:`dynaspec.runtime.q8.attend`: all of a chain's rows in one call per layer, each row as
-    its plain step computes it), where it runs vectorised; else torch's attention row by row."""
+    of kernel). ``compiled`` (used with ``weights = "int8"`` and ``"w8a8"``), on a CPU where the
+    kernel builds: RMS norms through :func:`dynaspec.runtime.q8.rms_norm` (one call instead of
+    some eight tensor operations; row-wise like the rest), and, where it runs vectorised, plain
+    steps and chains attend through :func:`dynaspec.runtime.q8.attend` (all of a chain's rows in
+    one call per layer, each row as its plain step computes it; else torch's attention row by row)."""
 
-    def __init__(self, model, linear: LinearFactory = stock_linears, *, c_norm: bool = False,
-                 c_attend: bool = False) -> None:
+    def __init__(self, model, linear: LinearFactory = stock_linears, *, compiled: bool = False) -> None:
         parts = model if isinstance(model, LeanParts) else LeanParts.from_model(model)
         self.parts = parts
         self.family = parts.family
@@ -248,24 +246,21 @@ class LeanDecoder:
         self.embedding = parts.embedding
         self.dtype = parts.final_norm.dtype
         self.device = parts.final_norm.device
-        self._c_norm = None
-        if c_norm and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
+        self._c_norm = self._c_attend = None
+        if compiled and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
             from dynaspec.runtime import q8
 
             if q8.available() is None:
-                self._c_norm = functools.partial(q8.rms_norm, lib=q8._library())
+                lib = q8._library()
+                self._c_norm = functools.partial(q8.rms_norm, lib=lib)
                 # float32 copies of Llama's norm weights (they multiply the rounded row exactly so)
                 for layer in self.layers:
                     layer.norms = [n if n.dtype == torch.float32 else n.float() for n in layer.norms]
                     if layer.qk_norm is not None:
                         layer.qk_norm = tuple(n.float() for n in layer.qk_norm)
                 self.final_norm = self.final_norm.float()
-        self._c_attend = None
-        if c_attend and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
-            from dynaspec.runtime import q8
-
-            if q8.available() is None and q8.attention_available(self.head_dim):
-                self._c_attend = functools.partial(q8.attend, lib=q8._library())
+                if q8.attention_available(self.head_dim, lib):
+                    self._c_attend = functools.partial(q8.attend, lib=lib)
         self._inv_freq = {kind: (parts.inv_freq[kind], parts.rope_scales[kind]) for kind in set(types)}
         self._types = types
         self._tables: dict[str, torch.Tensor] = {}

@@ -164,8 +164,7 @@ def probe(target) -> dict[str, str]:
                 stock = stock_linear(weight, bias)
                 return fn or stock, stock if verdict.startswith("pad") else fn or stock, stock
 
-            compiled = target.weights in ("int8", "w8a8")
-            target._lean = target._build_lean(linear, c_norm=compiled, c_attend=compiled)
+            target._lean = target._build_lean(linear, compiled=target.weights in ("int8", "w8a8"))
             report["attention"] = ("row-wise for chains" + (", compiled kernel" if target._lean._c_attend is not None
                                                              else ""))
         from dynaspec.runtime import batch_invariance, quantized

@@ -239,6 +239,7 @@ class Int8WeightLinear:
         if self.mode not in modes(level):
             raise ConfigError(f"int8 kernel mode {self.mode!r} does not run here: {', '.join(modes(level))} do")
         self.out_features, self.in_features = weight.shape
+        self._scratch: dict = {}  # see _scratch_for
         self._layout = self._kernel_layout()
         lanes = self._layout[0]
         # integer modes: K padded with zero weights to a whole number of steps (no tail columns)
@@ -309,6 +310,7 @@ class Int8WeightLinear:
         this kernel packs for another layout (lanes and tile rows depend on the instruction set)."""
         self = cls.__new__(cls)
         self._lib = _library(level)
+        self._scratch = {}
         self.mode = meta["mode"]
         if self.mode not in modes(level):
             raise ValueError(f"int8 kernel mode {self.mode!r} does not run here")
@@ -354,54 +356,42 @@ class Int8WeightLinear:
         """Pointers to scratch for ``m`` quantised activation rows and their scales (integer modes),
         kept per row count and thread: they never leave the C call that fills them."""
         key = (m, threading.get_ident())
-        scratch = self.__dict__.setdefault("_scratch", {})
-        found = scratch.get(key)
+        found = self._scratch.get(key)
         if found is None:
             xq = torch.empty(m, self._padded_in, dtype=torch.uint8 if self.mode == "int8" else torch.int16)
             sx = torch.empty(m, dtype=torch.float32)
-            found = scratch[key] = (xq, sx, xq.data_ptr(), sx.data_ptr())
+            found = self._scratch[key] = (xq, sx, xq.data_ptr(), sx.data_ptr())
         return found[2], found[3]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.mode == "int8" and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous()
-                and x.shape[1] == self.in_features and x.shape[0]):
-            # the decode loop's case (a few contiguous rows), with as little around the C call as it takes
-            m = x.shape[0]
-            out = torch.empty(m, self.out_features, dtype=torch.float32)
-            xq, sx = self._scratch_for(m)
-            self._lib.q8_linear_u8(x.data_ptr(), int(x.dtype == torch.bfloat16), m, self.in_features, self._padded_in,
-                                   self.packed.data_ptr(), self.row_sums.data_ptr(), self.scale.data_ptr(),
-                                   None if self.bias is None else self.bias.data_ptr(), self.out_features,
-                                   out.data_ptr(), torch.get_num_threads(), xq, sx)
-            return out if x.dtype == torch.float32 else out.to(x.dtype)
         shape = x.shape
         if shape[-1] != self.in_features:
             raise ValueError(f"input of {shape[-1]} features for a product with {self.in_features} input features")
-        rows = x.reshape(-1, shape[-1])
+        rows = x if x.dim() == 2 else x.reshape(-1, shape[-1])
         m = rows.shape[0]
         out = torch.empty(m, self.out_features, dtype=torch.float32)
         if m:
             bias = None if self.bias is None else self.bias.data_ptr()
             threads = torch.get_num_threads()
-            if self.mode in ("int8", "int16"):  # activations quantised per row: scratch for them and their scales
+            if self.mode in ("int8", "int16"):  # activations quantised per row into scratch
                 rows = rows.contiguous() if rows.dtype in (torch.float32, torch.bfloat16) else rows.float().contiguous()
                 bf16 = int(rows.dtype == torch.bfloat16)
-                xq = torch.empty(m, self._padded_in, dtype=torch.uint8 if self.mode == "int8" else torch.int16)
-                sx = torch.empty(m, dtype=torch.float32)
+                xq, sx = self._scratch_for(m)
                 if self.mode == "int8":
                     self._lib.q8_linear_u8(rows.data_ptr(), bf16, m, self.in_features, self._padded_in,
                                            self.packed.data_ptr(), self.row_sums.data_ptr(), self.scale.data_ptr(),
-                                           bias, self.out_features, out.data_ptr(), threads, xq.data_ptr(),
-                                           sx.data_ptr())
+                                           bias, self.out_features, out.data_ptr(), threads, xq, sx)
                 else:
                     self._lib.q8_linear_i16(rows.data_ptr(), bf16, m, self.in_features, self._padded_in,
                                             self.packed.data_ptr(), self.scale.data_ptr(), bias, self.out_features,
-                                            out.data_ptr(), threads, xq.data_ptr(), sx.data_ptr())
+                                            out.data_ptr(), threads, xq, sx)
             else:
                 rows = rows.float().contiguous()
                 self._lib.q8_linear(rows.data_ptr(), m, self.in_features, self.packed.data_ptr(), self.tail.data_ptr(),
                     self.scale.data_ptr(), bias, self.out_features, out.data_ptr(), threads)
-        return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        if x.dim() != 2:
+            out = out.reshape(*shape[:-1], self.out_features)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 class Int8Rows:

@@ -238,10 +238,10 @@ class TargetModel:
 
         return numerics.probe(self)
 
-    def _build_lean(self, linear=None, c_norm: bool = False, c_attend: bool = False):
+    def _build_lean(self, linear=None, compiled: bool = False):
         from dynaspec.runtime.lean import LeanDecoder, stock_linears
 
-        return LeanDecoder(self.model, linear or stock_linears, c_norm=c_norm, c_attend=c_attend)
+        return LeanDecoder(self.model, linear or stock_linears, compiled=compiled)
 
     def _lean_decoder(self):
         """The lean forward, built once for the target's current dtype and device."""

@@ -121,9 +121,10 @@ def widen(drafter: Drafter, width: int, *, seed: int = 0) -> Drafter:
         raise ConfigError(f"width {width} is narrower than the drafter's {old}: a drafter can be widened, not narrowed")
     if width == old:
         return drafter
-    torch.manual_seed(seed)
-    wide = Drafter(attrs.evolve(drafter.cfg, intermediate_size=width), meta=drafter.meta).to(
-        drafter.fc.weight.dtype)
+    with torch.random.fork_rng():  # the new rows' random start, without touching the caller's generator
+        torch.manual_seed(seed)
+        wide = Drafter(attrs.evolve(drafter.cfg, intermediate_size=width), meta=drafter.meta).to(
+            drafter.fc.weight.dtype)
     state = drafter.state_dict()
     fresh = wide.state_dict()
     for name, value in state.items():

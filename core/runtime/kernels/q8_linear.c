@@ -380,7 +380,11 @@ static inline __m128i sum4_u8(const __m512i a[NB]) {
     return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
-/* one chunk (weights of at most U8CHUNK columns): sums[i]: the dot products of activation row i with the tile's NB weight rows, as int64 [NB] */
+/* One chunk (weights of at most U8CHUNK columns): sums[i]: the dot products of activation row i
+ * with the tile's NB weight rows, as int64 [NB]. tile_u8 and rows_block_u8 are kept apart from
+ * their chunked forms below (tile_u8c, finish_u8) on purpose: built on those (a row stride and a
+ * length for the activations, the epilogue's tile constants per row group), GCC's code for 7 to 12
+ * rows of the gate-up shape ran 25-40% slower (scripts/q8_rows_bench.c, session 27). */
 static inline __attribute__((always_inline)) void tile_u8(const uint8_t *restrict x, int64_t Kp,
                                                           const int8_t *restrict p, const int mb,
                                                           __m256i *restrict sums) {
