@@ -83,13 +83,20 @@ class CompositeParams:
     drafters: list = param(help="the drafters, in order of preference: names (a trained drafter's artifact "
                                 "works as a name) or tables with a name and parameters",
                            check=_drafter_list, rule="must be a list of at least two drafter names or tables")
+    merge: bool | None = param(None, help="in a greedy tree stack: true merges every drafter's tree into one "
+                                          "(the default there); false lets the first drafter that proposes "
+                                          "draft the cycle, as in a chain stack (so prompt lookup's chain where "
+                                          "the text repeats, the trained drafter's tree elsewhere, and a tree no "
+                                          "larger than the largest drafter's)",
+                               check=lambda v: v is None or isinstance(v, bool), rule="must be true or false")
 
 
 def _composite(params: CompositeParams, ctx: DrafterContext) -> CompositeSource:
     parts = list(params.drafters)  # checked by CompositeParams: two or more names or tables
     if any(isinstance(p, Mapping) and p.get("name") == "composite" or p == "composite" for p in parts):
         raise ConfigError("drafter 'composite': a composite cannot contain another composite")
-    return CompositeSource([ctx.build(p) for p in parts], merge=ctx.draft.mode == "tree")
+    merge = ctx.draft.mode == "tree" if params.merge is None else params.merge and ctx.draft.mode == "tree"
+    return CompositeSource([ctx.build(p) for p in parts], merge=merge)
 
 
 @hookimpl

@@ -125,6 +125,31 @@ def test_composite_tree_merges_lookup_and_drafter(kind):
         assert result.stats.draft_sources[0] > 0 and result.stats.draft_sources[1] > 0
 
 
+def test_composite_tree_without_merging_drafts_the_first_proposal():
+    """``merge = false`` in a tree stack: prompt lookup's chain where the text repeats, the trained
+    drafter's tree elsewhere, never both in one cycle; its trees stay within the probed rows, so
+    on the lean forward the stack is guaranteed, and its output is plain decoding's."""
+    registry = builtin_registry()
+    engine = make_engine("llama", trained_drafter("llama"), registry,
+                         drafter={"name": "composite", "merge": False,
+                                  "drafters": ["ngram", "in-memory"]},
+                         draft={"mode": "tree", "depth": 4, "topk": 2, "total_tokens": 6}, exact="required")
+    assert engine.exactness == "guaranteed", engine.exactness_reason
+    assert engine.source.max_tokens == 6 and not engine.source.chains_only
+    sources = [0, 0]
+    for prompt in [*_repeating_prompts(), [7, 30, 2, 91, 14]]:
+        result = engine.generate(prompt, max_new_tokens=30)
+        assert result.token_ids == reference_greedy("llama", prompt, 30)
+        stats = result.stats
+        assert sum(stats.draft_sources.values()) == stats.cycles - stats.plain_cycles  # one source a cycle
+        for index, count in stats.draft_sources.items():
+            sources[index] += count
+    assert sources[0] > 0 and sources[1] > 0
+    with pytest.raises(ConfigError, match="merge.*must be true or false"):
+        make_engine("llama", trained_drafter("llama"), registry,
+                    drafter={"name": "composite", "merge": "no", "drafters": ["ngram", "in-memory"]})
+
+
 def test_per_position_acceptance_in_statistics():
     engine = make_engine("llama", trained_drafter("llama"), builtin_registry(), drafter="in-memory",
                          draft={"mode": "chain", "depth": 4})

@@ -111,6 +111,83 @@ def test_compiled_attention_rows_equal_plain_steps_and_torch(dtype, tmp_path, mo
     torch.testing.assert_close(one.float(), torch_rows.float(), rtol=tol, atol=tol)
 
 
+def _tree_rows_and_lines(tgt: TargetModel, ids: torch.Tensor, past: int):
+    """A draft tree of 8 nodes (lines up to 5 rows deep) verified after a prefill of ``past``
+    tokens, and for each node the rows of plain steps along its line from the same prefill."""
+    from dynaspec.runtime.tree import DraftTree
+
+    tree = DraftTree.with_root(int(ids[past]))
+    a, b = tree.add(0, 11, -0.1), tree.add(0, 12, -0.2)
+    c = tree.add(a, 13, -0.3)
+    tree.add(b, 14, -0.4)
+    e = tree.add(c, 15, -0.5)
+    tree.add(a, 16, -0.6)
+    tree.add(e, 17, -0.7)
+    cache = tgt.new_cache(4)
+    tgt.forward(ids[:past], torch.arange(past), cache)
+    rows = tgt.forward(torch.tensor(tree.tokens), past + 1 + torch.tensor(tree.depths), cache,
+                       tree_mask=tree.attention_mask())
+    plain = []
+    for node in range(len(tree)):
+        steps = tgt.new_cache(4)
+        tgt.forward(ids[:past], torch.arange(past), steps)
+        for k, n in enumerate(reversed(tree.ancestors(node))):
+            out = tgt.forward(torch.tensor([tree.tokens[n]]), torch.tensor([past + k]), steps)
+        plain.append(out[0])
+    return rows, torch.stack(plain)
+
+
+@pytest.mark.parametrize("case", ["llama", "gemma3", "qwen2-w8a8", "qwen2-w8a8-torch-attention"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_tree_rows_equal_the_plain_steps_along_their_lines(case, dtype, tmp_path, monkeypatch):
+    """Each row of a verified draft tree equals, bit for bit, the plain step that computes its
+    token after its ancestors (what plain decoding computes once that line is accepted), past the
+    sliding windows: the lean forward attends each tree row over the context and its own line, laid
+    out as that plain step reads them (the compiled kernel through a map of the line's entries)."""
+    from dynaspec.runtime import q8
+
+    monkeypatch.setenv("DYNASPEC_CACHE_DIR", str(tmp_path))
+    if case.startswith("qwen2"):
+        if q8.available() is not None or not q8.attention_available(64) or "int8" not in q8.modes():
+            pytest.skip("the compiled attention runs vectorised with AVX-512 only (w8a8: with VNNI)")
+        tgt = _qwen2_target(hidden=256, heads=4).to(dtype=dtype).use_weights("w8a8")
+    else:
+        tgt = tiny_target(case, seed=4).to(dtype=dtype)
+    tgt.make_batch_invariant()
+    assert tgt.batch_invariant and "trees" in tgt.batch_invariance["attention"]
+    if case.endswith("torch-attention"):
+        tgt._lean._c_attend = None
+    elif case.startswith("qwen2"):
+        assert tgt._lean._c_attend is not None
+    ids = torch.randint(3, 100, (12,), generator=torch.Generator().manual_seed(2))
+    rows, plain = _tree_rows_and_lines(tgt, ids, 9)
+    assert torch.equal(rows, plain)
+
+
+def test_compiled_attention_reads_a_line_as_if_it_followed_the_context():
+    """q8.attend with ``lines``: a row over the context and scattered entries equals the row over
+    the same entries laid out contiguously, within a window too; bad lines are refused."""
+    from dynaspec.runtime import q8
+
+    if q8.available() is not None or not q8.attention_available(64):
+        pytest.skip("the compiled attention runs vectorised with AVX-512 only")
+    gen = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(1, 2, 20, 64, generator=gen), torch.randn(1, 2, 20, 64, generator=gen)
+    q = torch.randn(2, 4, 64, generator=gen)
+    lines = [[12, 15, 17], [12, 19]]
+    for window in (None, 4):
+        got = q8.attend(q, keys, values, (), 0.125, window, lines=lines, base=12)
+        for i, line in enumerate(lines):
+            order = [*range(12), *line]
+            laid_k, laid_v = keys[:, :, order].contiguous(), values[:, :, order].contiguous()
+            want = q8.attend(q[i:i + 1], laid_k, laid_v, [len(order)], 0.125, window)
+            assert torch.equal(got[i:i + 1], want)
+    with pytest.raises(ValueError, match="outside 12..19"):
+        q8.attend(q, keys, values, (), 0.125, lines=[[12], [20]], base=12)
+    with pytest.raises(ValueError, match="2 rows"):
+        q8.attend(q, keys, values, (), 0.125, lines=[[12]], base=12)
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (8, 8, 128), (4, 1, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_attention_is_attention(heads, kv_heads, head_dim, dtype):

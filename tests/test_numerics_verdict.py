@@ -73,15 +73,33 @@ def test_engines_probe_and_report_their_verdict():
 
 
 def test_required_refuses_what_is_not_guaranteed_and_observed_reports_it(monkeypatch):
+    from dynaspec.runtime.target import TargetModel
+
     registry = builtin_registry()
     drafter = trained_drafter("llama")
-    with pytest.raises(ConfigError, match="not guaranteed here: a tree"):
-        make_engine("llama", drafter, registry, draft={"mode": "tree", "depth": 3, "topk": 2, "total_tokens": 6},
-                    exact="required")
-    tree = make_engine("llama", drafter, registry, draft={"mode": "tree", "depth": 3, "topk": 2, "total_tokens": 6})
-    assert tree.stack.exact == "observed"  # what a tree stack that does not say gets
-    assert tree.exactness == "not guaranteed"
-    assert tree.generate([5, 6, 7], max_new_tokens=8).stats.exactness == "not guaranteed"
+    tree_draft = {"mode": "tree", "depth": 3, "topk": 2, "total_tokens": 6}
+    # on the generic forward a tree's masked attention is not a plain step's: refused when required
+    generic = tiny_target("llama", seed=0)
+    generic = TargetModel(generic.model, generic.tokenizer, forward="generic")
+    stack = {"name": "t", "target": "tiny-llama", "drafter": "in-memory", "draft": tree_draft}
+    with pytest.raises(ConfigError, match="not guaranteed here: a tree.*generic forward"):
+        Engine(stack_from_mapping({**stack, "exact": "required"}), generic, drafter, registry=registry)
+    observed_tree = Engine(stack_from_mapping(stack), generic, drafter, registry=registry)
+    assert observed_tree.stack.exact == "observed"  # what a tree stack that does not say gets
+    assert observed_tree.exactness == "not guaranteed"
+    assert observed_tree.generate([5, 6, 7], max_new_tokens=8).stats.exactness == "not guaranteed"
+    # on the lean forward each tree row attends over its own line: guaranteed, and equal to plain
+    tree = make_engine("llama", drafter, registry, draft=tree_draft, exact="required")
+    assert tree.exactness == "guaranteed", tree.exactness_reason
+    assert "tree's rows attend each over its own line" in tree.exactness_reason
+    plain = make_engine("llama", None, registry)
+    for prompt in ([5, 6, 7], [9, 3, 40, 41, 7, 7]):
+        got = tree.generate(prompt, max_new_tokens=24)
+        assert got.stats.exactness == "guaranteed"
+        assert got.token_ids == plain.generate(prompt, max_new_tokens=24).token_ids
+    # a tree with more rows than the probe covers is not
+    with pytest.raises(ConfigError, match="a tree of up to 9 drafted tokens verifies 10 rows.*total_tokens <= 8"):
+        make_engine("llama", drafter, registry, draft={**tree_draft, "total_tokens": 9}, exact="required")
     # a product the probe found variant (as no fallback could fix): a chain is refused too
     tgt = tiny_target("llama", seed=8)
     tgt.make_batch_invariant()

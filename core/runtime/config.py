@@ -197,9 +197,10 @@ class StackConfig:
     device: str = attrs.field(default="cpu")
     #: "required": speculative output must equal plain decoding by construction (the numerics probe
     #: found, or padded to, products whose rows do not depend on the row count, and the draft is a
-    #: chain); a stack that is not guaranteed is refused. "observed": run it anyway; its output is
-    #: compared with plain decoding (eval, bench) and its statistics say it is not guaranteed.
-    #: A stack file that does not say is "required" for a chain and "observed" for a tree.
+    #: chain, or a tree on a target with a lean forward); a stack that is not guaranteed is refused.
+    #: "observed": run it anyway; its output is compared with plain decoding (eval, bench) and its
+    #: statistics say whether it is guaranteed. A stack file that does not say is "required" for a
+    #: chain and "observed" for a tree (guaranteed on the lean forward within the probed rows).
     exact: str = attrs.field(default="required")
     #: Which weights the target computes from (its lean forward and LM head): "dtype" (the target
     #: dtype's own), "float16" (2 bytes a weight), "int8-head" (float16 body, int8 LM head with
@@ -228,13 +229,6 @@ class StackConfig:
     def _device(self, _attribute, value):
         _check("device", isinstance(value, str) and value.split(":")[0] in ("cpu", "cuda"), value,
                "must be 'cpu' or 'cuda[:index]'")
-
-    @property
-    def exact_in_bfloat16(self) -> bool:
-        """Plain decoding and chains verify bit for bit against plain decoding in bfloat16 (see
-        :mod:`dynaspec.runtime.batch_invariance`); a tree's rows attend to scattered ancestors, which no
-        plain step lays out alike, so a tree is exact there only up to rounding."""
-        return self.drafter is None or self.draft.mode == "chain" or self.draft.topk == 1
 
     @property
     def drafter_label(self) -> str:
@@ -335,7 +329,7 @@ def stack_from_mapping(data: Mapping[str, Any], *, source: str = "stack") -> Sta
     draft, decode = tables["draft"], tables["decode"]
     if draft.mode == "chain":
         draft = attrs.evolve(draft, topk=1, total_tokens=draft.depth)
-    if "exact" not in data:  # a chain is required to be exact; a tree cannot be, and runs compared
+    if "exact" not in data:  # a chain is required to be exact; a tree is where the target's forward allows
         data["exact"] = "required" if draft.mode == "chain" or draft.topk == 1 or drafter is None else "observed"
     return StackConfig(
         name=data["name"], target=data["target"], drafter=drafter,

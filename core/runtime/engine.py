@@ -462,6 +462,15 @@ class Engine:
                     token = self._first_token(hidden, verifier, params, generator, step.logits)
             pos += 1
 
+    def _head_rows(self, tree: DraftTree, chain: bool) -> list[int]:
+        """The nodes whose logits the verification pass computes up front: a chain's line, or every
+        node of a tree within the rows the probe covers (one head product costs about as much for
+        a few rows as for one, and a miss would read the whole head again); a larger tree's first
+        line (see :class:`PathLogits`)."""
+        if chain or len(tree) > getattr(self.target, "probed_rows", 0):
+            return PathLogits.first_line(tree)
+        return list(range(len(tree)))
+
     @torch.inference_mode()
     def _speculate(self, ids, max_new, params, verifier, generator, stats,
                    control: DepthControl | None = None) -> Iterator[list[int]]:
@@ -524,7 +533,7 @@ class Engine:
                                   root_pos + 1 + torch.tensor(tree.depths, device=device), cache,
                                   tree_mask=None if chain else tree.attention_mask(device),
                                   chain=chain and drafted, layers=layers,
-                                  head=PathLogits.first_line(tree))
+                                  head=self._head_rows(tree, chain))
                 yield step  # the caller runs it (alone, or with other generations' passes)
                 stats.times["target_body"] += step.seconds
                 hidden = step.output()

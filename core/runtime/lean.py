@@ -300,23 +300,42 @@ class LeanDecoder:
         out = F.scaled_dot_product_attention(q, keys[:, :, start:end], values[:, :, start:end], scale=self.scaling)
         return out.reshape(1, self.heads * self.head_dim)
 
+    def _attend_line(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, past: int, line: list[int],
+                     window: int | None) -> torch.Tensor:
+        """One tree row [H, D] over the keys before ``past`` and then the entries ``line`` (its
+        ancestors' and its own), laid out as the plain step after the line's acceptance finds
+        them: [H * D]."""
+        end = past + len(line)
+        start = max(0, end - window) if window else 0
+        index = torch.tensor([*range(start, past), *line[max(0, start - past):]], device=q.device)
+        # laid out (strides included) as the cache the plain step reads
+        kbuf = torch.empty_strided(keys[:, :, :end].shape, keys.stride(), dtype=keys.dtype, device=keys.device)
+        vbuf = torch.empty_strided(values[:, :, :end].shape, values.stride(), dtype=values.dtype, device=values.device)
+        kbuf[:, :, start:end] = keys.index_select(2, index)
+        vbuf[:, :, start:end] = values.index_select(2, index)
+        return self._attend_row(q, kbuf, vbuf, end, window)
+
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None,
-                positions: torch.Tensor, past: int, tree_mask: torch.Tensor | None, chain: bool) -> torch.Tensor:
+                positions: torch.Tensor, past: int, lines: list[list[int]] | None, chain: bool) -> torch.Tensor:
         """Attention of the new rows ``q`` [T, H, D] over the cache ``keys``/``values`` [1, Hkv, L, D]
-        (its last T entries are the new rows'): [T, H * D]."""
+        (its last T entries are the new rows'): [T, H * D]. ``lines``: a draft tree's rows, each
+        row's cache entries from ``past`` on (its ancestors' and its own)."""
         t, length = q.shape[0], keys.shape[2]
-        if self._c_attend is not None and (t == 1 or (chain and tree_mask is None)):
+        if lines is not None:  # each row over the context and its own line, as the plain step after it
+            if self._c_attend is not None:
+                return self._c_attend(q, keys, values, (), self.scaling, window, lines=lines, base=past)
+            return torch.cat([self._attend_line(q[i], keys, values, past, line, window)
+                              for i, line in enumerate(lines)])
+        if self._c_attend is not None and (t == 1 or chain):
             # each row over the keys up to its own position, all rows in one call
             return self._c_attend(q, keys, values, range(length - t + 1, length + 1), self.scaling, window)
         if t == 1:
             return self._attend_row(q[0], keys, values, length, window)
-        if chain and tree_mask is None:  # row by row, each as the plain step at its position computes it
+        if chain:  # row by row, each as the plain step at its position computes it
             return torch.cat([self._attend_row(q[i], keys, values, length - t + i + 1, window) for i in range(t)])
+        # a prefill: causal
         allowed = torch.ones(t, length, dtype=torch.bool, device=q.device)
-        if tree_mask is not None:
-            allowed[:, past:] = tree_mask
-        else:
-            allowed[:, past:] = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        allowed[:, past:] = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
         if window:
             key_pos = torch.cat([torch.arange(past, device=q.device), positions])
             allowed &= (positions[:, None] - key_pos[None, :]) < window
@@ -356,8 +375,12 @@ class LeanDecoder:
         if sum(rows for _, rows, _, _ in parts) != t:
             raise ValueError(f"the parts hold {sum(rows for _, rows, _, _ in parts)} rows, the input {t}")
         bounds, at = [], 0
-        for cache, rows, _, _ in parts:
-            bounds.append((at, at + rows, cache.get_seq_length()))
+        lines = []  # per sequence: its tree rows' cache entries from its past on (None: no tree)
+        for cache, rows, tree_mask, _ in parts:
+            past = cache.get_seq_length()
+            bounds.append((at, at + rows, past))
+            lines.append(None if tree_mask is None else
+                         [(past + torch.nonzero(tree_mask[i]).flatten()).tolist() for i in range(rows)])
             at += rows
         hd, hq, hkv = self.head_dim, self.heads, self.kv_heads
         rotary = {kind: self._rotary(kind, positions) for kind in set(self._types)}
@@ -375,10 +398,10 @@ class LeanDecoder:
             cos, sin = rotary[kind]
             qk = self._rotate(qk, cos, sin)
             outs = []
-            for (cache, _, tree_mask, chain), (a, b, past) in zip(parts, bounds):
+            for (cache, _, _, chain), (a, b, past), tree in zip(parts, bounds, lines):
                 keys, values = cache.layers[index].append(qk[a:b, hq:].transpose(0, 1)[None],
                                                           v[a:b].transpose(0, 1)[None])
-                outs.append(self._attend(qk[a:b, :hq], keys, values, window, positions[a:b], past, tree_mask, chain))
+                outs.append(self._attend(qk[a:b, :hq], keys, values, window, positions[a:b], past, tree, chain))
             attn = layer.o[pick](outs[0] if len(outs) == 1 else torch.cat(outs))
             if self.family == "gemma3":
                 h = h + self._norm(attn, layer.norms[1])

@@ -68,11 +68,11 @@ def native_bf16(device: torch.device | str = "cpu") -> bool:
     return os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in _ONEDNN_BF16_ISAS
 
 
-def resolve_dtype(name: str, device: torch.device | str = "cpu", *, exact_in_bf16: bool = True) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
     """A ``dtype`` setting as a torch dtype. ``auto`` is bfloat16 where the device computes it
-    natively and ``exact_in_bf16`` (the draft shape verifies bit for bit there), else float32."""
+    natively (chains and, on the lean forward, trees verify bit for bit there), else float32."""
     if name == "auto":
-        return torch.bfloat16 if exact_in_bf16 and native_bf16(device) else torch.float32
+        return torch.bfloat16 if native_bf16(device) else torch.float32
     if name not in DTYPES:
         raise ConfigError(f"dtype {name!r} is not supported: one of auto, {', '.join(sorted(DTYPES))}")
     return DTYPES[name]
@@ -99,7 +99,7 @@ def certificate(target, verdict: str) -> float | None:
 
 def stack_dtype(stack) -> torch.dtype:
     """The dtype a :class:`~dynaspec.runtime.config.StackConfig` runs its target in."""
-    return resolve_dtype(stack.dtype, stack.device, exact_in_bf16=stack.exact_in_bfloat16)
+    return resolve_dtype(stack.dtype, stack.device)
 
 
 def probe(target) -> dict[str, str]:
@@ -165,8 +165,8 @@ def probe(target) -> dict[str, str]:
                 return fn or stock, stock if verdict.startswith("pad") else fn or stock, stock
 
             target._lean = target._build_lean(linear, compiled=target.weights in ("int8", "w8a8"))
-            report["attention"] = ("row-wise for chains" + (", compiled kernel" if target._lean._c_attend is not None
-                                                             else ""))
+            report["attention"] = ("row-wise for chains and trees" + (", compiled kernel"
+                                                                        if target._lean._c_attend is not None else ""))
         from dynaspec.runtime import batch_invariance, quantized
 
         # the rows one pass of several sequences computes: what the probe of its kernels covered
@@ -201,13 +201,21 @@ def verdict(target, source, *, strict: bool) -> tuple[str, str]:
     of ``source`` (None: plain decoding); ``strict``: the strict (padded) kernels run."""
     if source is None:
         return "guaranteed", "plain decoding"
-    if not source.chains_only:
-        return "not guaranteed", ("a tree's rows attend to scattered ancestors, which no plain step lays "
-                                  "out alike")
-    rows = source.max_depth + 1
-    if rows > target.probed_rows:
-        return "not guaranteed", (f"a chain of {source.max_depth} drafted tokens verifies {rows} rows, and the "
-                                  f"probe covers 1 to {target.probed_rows}: draft.depth <= {target.probed_rows - 1}")
+    tree = not source.chains_only
+    if tree and getattr(target, "forward_kind", None) != "lean":
+        return "not guaranteed", ("a tree's rows attend to scattered ancestors, which the generic forward "
+                                  "does not lay out as a plain step does (the lean forward does)")
+    if tree:
+        rows = source.max_tokens + 1
+        if rows > target.probed_rows:
+            return "not guaranteed", (f"a tree of up to {source.max_tokens} drafted tokens verifies {rows} rows, "
+                                      f"and the probe covers 1 to {target.probed_rows}: "
+                                      f"draft.total_tokens <= {target.probed_rows - 1}")
+    else:
+        rows = source.max_depth + 1
+        if rows > target.probed_rows:
+            return "not guaranteed", (f"a chain of {source.max_depth} drafted tokens verifies {rows} rows, and the "
+                                      f"probe covers 1 to {target.probed_rows}: draft.depth <= {target.probed_rows - 1}")
     variant = target.variant_products(strict=strict)
     dtype = str(target.dtype).removeprefix("torch.")
     if variant:
@@ -215,7 +223,8 @@ def verdict(target, source, *, strict: bool) -> tuple[str, str]:
                                   "many are computed together")
     kinds = sorted({v for k, v in target.products_in_use().items() if k != "attention"})
     return "guaranteed", (f"every product probed batch-invariant in {dtype} on this machine ({', '.join(kinds)}); "
-                          "chains attend row by row")
+                          + ("a tree's rows attend each over its own line, as the plain step after it"
+                             if tree else "chains attend row by row"))
 
 
 def _contiguous(rows) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import platform
 import shutil
@@ -113,8 +114,8 @@ def _library_for(level: str) -> ctypes.CDLL:
     lib.q8_attend_vector.restype = ctypes.c_int
     lib.q8_attend.restype = ctypes.c_int
     lib.q8_attend.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 5, ctypes.c_void_p, ctypes.c_void_p,
-                              ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
-                              ctypes.c_void_p]
+                              ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                              ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
     lib.q8_rms_norm.restype = None
     lib.q8_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                 ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
@@ -168,32 +169,49 @@ def attention_available(head_dim: int, lib: ctypes.CDLL | None = None) -> bool:
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ends: Sequence[int], scale: float,
-           window: int | None = None, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+           window: int | None = None, *, lib: ctypes.CDLL | None = None,
+           lines: Sequence[Sequence[int]] | None = None, base: int = 0) -> torch.Tensor:
     """Attention of the rows ``q`` [T, H, D] over ``keys`` and ``values`` [1, Hkv, L, D] (views of a
     KV buffer, read in place), row ``i`` over the keys before ``ends[i]`` (and within ``window`` of
     it): [T, H * D] in ``q``'s dtype, float32 inside. Each row is computed on its own, the same way
     whatever the other rows (see kernels/q8_linear.c), so a chain's rows attended in one call equal
     the plain steps that attend them one by one. One C call instead of a torch attention call per
-    row; ``lib``: the library (:func:`_library`), for callers that look it up once."""
+    row; ``lib``: the library (:func:`_library`), for callers that look it up once.
+
+    ``lines`` (a draft tree's rows): row ``i`` reads the cache entries before ``base``, then the
+    entries ``lines[i]`` (its ancestors' and its own, in order) as if they followed at ``base``,
+    ``base + 1``, ...; its end is ``base + len(lines[i])`` (``ends`` is ignored). That is what the
+    plain step at that position computes once the row's line is moved there, bit for bit."""
     t, h, d = q.shape
     hkv = keys.shape[1]
     if q.dtype not in (torch.float32, torch.bfloat16) or keys.dtype != q.dtype or values.dtype != q.dtype:
         raise ValueError(f"attend of {q.dtype} over {keys.dtype} keys: float32 or bfloat16, all alike")
+    length = keys.shape[2]
+    slots = off = None
+    if lines is not None:
+        lines = [list(line) for line in lines]
+        if len(lines) != t or any(not line for line in lines):
+            raise ValueError(f"attend: {len(lines)} lines for {t} rows (each with its own entry at least)")
+        flat = [s for line in lines for s in line]
+        if not 0 <= base <= length or any(not base <= s < length for s in flat):
+            raise ValueError(f"attend: a line's entries outside {base}..{length - 1}")
+        ends = [base + len(line) for line in lines]
+        slots = (ctypes.c_int64 * len(flat))(*flat)
+        off = (ctypes.c_int64 * t)(*itertools.accumulate((len(line) for line in lines[:-1]), initial=0))
     ends = list(ends)
     if len(ends) != t or h % hkv or keys.shape[-1] != d or values.shape != keys.shape:
         raise ValueError(f"attend: q {tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}, "
                          f"{len(ends)} ends")
     if q.stride(2) != 1 or q.stride(1) != d or keys.stride() != values.stride() or keys.stride(3) != 1:
         raise ValueError("attend: q's heads and the cache's positions must be laid out contiguously")
-    length = keys.shape[2]
-    if any(not 0 < e <= length for e in ends):
+    if lines is None and any(not 0 < e <= length for e in ends):
         raise ValueError(f"attend: row ends {list(ends)} outside 1..{length}")
     end = (ctypes.c_int64 * t)(*ends)
     start = (ctypes.c_int64 * t)(*(max(0, e - window) if window else 0 for e in ends))
     out = torch.empty(t, h * d, dtype=q.dtype)
     rc = (lib or _library()).q8_attend(q.data_ptr(), int(q.dtype == torch.bfloat16), t, h, hkv, d, q.stride(0),
                                        keys.data_ptr(), values.data_ptr(), keys.stride(1), keys.stride(2),
-                                       start, end, scale, out.data_ptr())
+                                       start, end, slots, off, base, scale, out.data_ptr())
     if rc:
         raise MemoryError("attend: no memory for the scores")
     return out

@@ -252,8 +252,9 @@ class TargetModel:
     @property
     def batch_invariant(self) -> bool | None:
         """Whether a chain's verification reproduces plain decoding bit for bit: every probed layer
-        is batch-invariant and attention runs row-wise for chains (None: not probed). Trees attend
-        to scattered ancestors, which no plain step lays out the same way: they are not covered."""
+        is batch-invariant and attention runs row-wise for chains (None: not probed). A tree is
+        covered with the lean forward only, whose rows attend each over its own line (the generic
+        forward's masked attention lays out scattered ancestors as no plain step does)."""
         if self.batch_invariance is None:
             return None
         return not self.variant_products()

@@ -692,7 +692,14 @@ void q8_quantize_rowmajor(const void *w, int bf16, int64_t N, int64_t K, int8_t 
  * it. So a chain's rows attended together equal the plain steps that attend them one at a time;
  * one call replaces a torch attention call per row and layer (some 30-90 us each on one core).
  * The exponential is computed in the same way for every key (a vector polynomial with AVX-512,
- * libm's expf otherwise), and every sum runs in an order fixed by the key range alone. */
+ * libm's expf otherwise), and every sum runs in an order fixed by the key range alone.
+ *
+ * Draft trees: key positions are virtual. With map != NULL, row r's virtual position p >= base
+ * reads the cache entry map[off[r] + p - base] (its ancestors' slots, root first, then itself):
+ * the entries a plain step at virtual position end[r] - 1 will read at base, base + 1, ... once
+ * the accepted line is moved there. Same values in the same order through the same operations:
+ * a tree row equals that plain step bit for bit. */
+#define KV_AT(p) ((map && (p) >= base) ? map[(p) - base] : (p))
 #if defined(__AVX512F__)
 int q8_attend_vector(void) { return 1; }
 
@@ -740,7 +747,8 @@ static inline __m512 sum16(const __m512 a[16]) {
 /* one kv head's G query heads of one row, D = 16 * NC; kf: scratch for 16 keys as float32 */
 static inline __attribute__((always_inline)) void attend_group_vec(
         const void *q, int bf16, int64_t G, const void *k, const void *v, int64_t kv_pos, int64_t start,
-        int64_t end, float scale, void *out, float *qf, float *s, float *kf, const int NC) {
+        int64_t end, const int64_t *map, int64_t base, float scale, void *out, float *qf, float *s, float *kf,
+        const int NC) {
     const int64_t D = 16 * NC, n = end - start;
     const size_t es = bf16 ? 2 : 4;
     for (int64_t i = 0; i < G; i++)
@@ -750,7 +758,7 @@ static inline __attribute__((always_inline)) void attend_group_vec(
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
         const int cnt = (int)(n - j0 < 16 ? n - j0 : 16);
         for (int jj = 0; jj < cnt; jj++) {
-            const char *kj = (const char *)k + (size_t)((start + j0 + jj) * kv_pos) * es;
+            const char *kj = (const char *)k + (size_t)(KV_AT(start + j0 + jj) * kv_pos) * es;
             for (int c = 0; c < NC; c++) _mm512_storeu_ps(kf + jj * D + 16 * c, load16_kv(kj + (size_t)(16 * c) * es, bf16));
         }
         const __mmask16 live = (__mmask16)(cnt == 16 ? 0xffffu : (1u << cnt) - 1u);
@@ -795,7 +803,7 @@ static inline __attribute__((always_inline)) void attend_group_vec(
         __m512 acc[16];
         for (int x = 0; x < 16; x++) acc[x] = _mm512_setzero_ps();
         for (int64_t j = 0; j < n; j++) {
-            const char *vj = (const char *)v + (size_t)((start + j) * kv_pos) * es;
+            const char *vj = (const char *)v + (size_t)(KV_AT(start + j) * kv_pos) * es;
             __m512 vc[16];
             for (int c = 0; c < NC; c++) vc[c] = load16_kv(vj + (size_t)(16 * c) * es, bf16);
             for (int h = 0; h < hg; h++) {
@@ -819,7 +827,8 @@ int q8_attend_vector(void) { return 0; }
 
 /* the same in plain C (any D; libm's expf) */
 static void attend_group_scalar(const void *q, int bf16, int64_t G, int64_t D, const void *k, const void *v,
-                                int64_t kv_pos, int64_t start, int64_t end, float scale, void *out, float *s) {
+                                int64_t kv_pos, int64_t start, int64_t end, const int64_t *map, int64_t base,
+                                float scale, void *out, float *s) {
     const int64_t n = end - start;
     for (int64_t i = 0; i < G; i++) {
         float *si = s + i * n;
@@ -827,7 +836,7 @@ static void attend_group_scalar(const void *q, int bf16, int64_t G, int64_t D, c
         for (int64_t j = 0; j < n; j++) {
             float acc = 0.0f;
             for (int64_t d = 0; d < D; d++)
-                acc = acc + load_any(q, bf16, i * D + d) * load_any(k, bf16, (start + j) * kv_pos + d);
+                acc = acc + load_any(q, bf16, i * D + d) * load_any(k, bf16, KV_AT(start + j) * kv_pos + d);
             si[j] = acc * scale;
             m = si[j] > m ? si[j] : m;
         }
@@ -838,16 +847,18 @@ static void attend_group_scalar(const void *q, int bf16, int64_t G, int64_t D, c
         }
         for (int64_t d = 0; d < D; d++) {
             float acc = 0.0f;
-            for (int64_t j = 0; j < n; j++) acc = acc + si[j] * load_any(v, bf16, (start + j) * kv_pos + d);
+            for (int64_t j = 0; j < n; j++) acc = acc + si[j] * load_any(v, bf16, KV_AT(start + j) * kv_pos + d);
             store_any(out, bf16, i * D + d, acc / total);
         }
     }
 }
 
-/* returns 0, or -1 where scratch could not be allocated */
+/* returns 0, or -1 where scratch could not be allocated; slots (NULL for rows in the cache's order)
+ * and off: each row's map of virtual positions from base on (see above) */
 int q8_attend(const void *q, int bf16, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t q_row,
               const void *k, const void *v, int64_t kv_head, int64_t kv_pos, const int64_t *start,
-              const int64_t *end, float scale, void *out) {
+              const int64_t *end, const int64_t *slots, const int64_t *off, int64_t base, float scale,
+              void *out) {
     const int64_t G = H / Hkv;
     const size_t es = bf16 ? 2 : 4;
     int64_t longest = 1;
@@ -857,18 +868,19 @@ int q8_attend(const void *q, int bf16, int64_t T, int64_t H, int64_t Hkv, int64_
     float *qf = s + G * (longest + 16), *kf = qf + G * D;
     for (int64_t r = 0; r < T; r++)
         for (int64_t g = 0; g < Hkv; g++) {
+            const int64_t *map = slots ? slots + off[r] : NULL;
             const char *qg = (const char *)q + (size_t)(r * q_row + g * G * D) * es;
             const char *kg = (const char *)k + (size_t)(g * kv_head) * es;
             const char *vg = (const char *)v + (size_t)(g * kv_head) * es;
             char *og = (char *)out + (size_t)(r * H * D + g * G * D) * es;
 #if defined(__AVX512F__)
-            if (D == 64 && G <= 16) { attend_group_vec(qg, bf16, G, kg, vg, kv_pos, start[r], end[r], scale, og, qf, s, kf, 4); continue; }
-            if (D == 128 && G <= 16) { attend_group_vec(qg, bf16, G, kg, vg, kv_pos, start[r], end[r], scale, og, qf, s, kf, 8); continue; }
-            if (D == 256 && G <= 16) { attend_group_vec(qg, bf16, G, kg, vg, kv_pos, start[r], end[r], scale, og, qf, s, kf, 16); continue; }
+            if (D == 64 && G <= 16) { attend_group_vec(qg, bf16, G, kg, vg, kv_pos, start[r], end[r], map, base, scale, og, qf, s, kf, 4); continue; }
+            if (D == 128 && G <= 16) { attend_group_vec(qg, bf16, G, kg, vg, kv_pos, start[r], end[r], map, base, scale, og, qf, s, kf, 8); continue; }
+            if (D == 256 && G <= 16) { attend_group_vec(qg, bf16, G, kg, vg, kv_pos, start[r], end[r], map, base, scale, og, qf, s, kf, 16); continue; }
 #else
             (void)qf; (void)kf;
 #endif
-            attend_group_scalar(qg, bf16, G, D, kg, vg, kv_pos, start[r], end[r], scale, og, s);
+            attend_group_scalar(qg, bf16, G, D, kg, vg, kv_pos, start[r], end[r], map, base, scale, og, s);
         }
     free(s);
     return 0;
