@@ -153,22 +153,23 @@ def test_each_level_is_the_code_path_it_names():
         q8._library("sse9")
 
 
-def test_rms_norm_matches_torch_row_by_row():
+@pytest.mark.parametrize("width", [645, 896])  # the plain C loop, and 16 lanes at a time (AVX-512)
+def test_rms_norm_matches_torch_row_by_row(width):
     import torch.nn.functional as F
 
     gen = torch.Generator().manual_seed(3)
     for dtype in DTYPES:
-        x = (torch.randn(3, 5, 645, generator=gen) * 4).to(dtype)
-        w = torch.randn(645, generator=gen)
-        gemma = F.rms_norm(x.float(), (645,), w, 1e-6).to(dtype)
+        x = (torch.randn(3, 5, width, generator=gen) * 4).to(dtype)
+        w = torch.randn(width, generator=gen)
+        gemma = F.rms_norm(x.float(), (width,), w, 1e-6).to(dtype)
         got = q8.rms_norm(x, w, 1e-6)
         assert got.dtype == dtype and torch.allclose(got.float(), gemma.float(), rtol=1e-5, atol=1e-6)
         wd = w.to(dtype)
-        llama = wd * F.rms_norm(x.float(), (645,), None, 1e-6).to(dtype)
+        llama = wd * F.rms_norm(x.float(), (width,), None, 1e-6).to(dtype)
         got = q8.rms_norm(x, wd.float(), 1e-6, round_first=True)
         assert torch.allclose(got.float(), llama.float(), rtol=1e-5, atol=1e-6)
         # each row on its own
-        flat = x.reshape(-1, 645)
+        flat = x.reshape(-1, width)
         assert torch.equal(torch.cat([q8.rms_norm(flat[i:i + 1], w, 1e-6) for i in range(len(flat))]),
                            q8.rms_norm(flat, w, 1e-6))
     with pytest.raises(ValueError, match="float32 or bfloat16"):

@@ -186,8 +186,56 @@ static inline void store_any(void *y, int bf16, int64_t i, float v) {
     ((uint16_t *)y)[i] = (uint16_t)(c.u >> 16);
 }
 
+#if defined(__AVX512F__)
+/* 16 floats rounded to bfloat16 as to_dtype rounds one (to nearest even; NaN kept), as the upper
+ * halves of float32 lanes */
+static inline __m512i round16_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb),
+                                       _mm512_set1_epi32((int)0xffff0000u));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_mov_epi32(r, nan, u);
+}
+
+/* rows of a width that is a multiple of 16: the squares summed in 16 lanes, then the lanes in a
+ * fixed order; each row by the same operations whatever the row count */
+static void rms_norm16(const void *x, int bf16, int64_t rows, int64_t d, const float *w, int round_first,
+                       float eps, void *y) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t base = r * d;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t k = 0; k < d; k += 16) {
+            const __m512 v = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                        _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + base + k))), 16))
+                                  : _mm512_loadu_ps((const float *)x + base + k);
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+        }
+        const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)d + eps);
+        const __m512 iv = _mm512_set1_ps(inv);
+        for (int64_t k = 0; k < d; k += 16) {
+            __m512 v = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                  _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + base + k))), 16))
+                            : _mm512_loadu_ps((const float *)x + base + k);
+            v = _mm512_mul_ps(v, iv);
+            if (round_first && bf16) v = _mm512_castsi512_ps(round16_bf16(v));
+            if (w) v = _mm512_mul_ps(v, _mm512_loadu_ps(w + k));
+            if (bf16)
+                _mm256_storeu_si256((__m256i *)((uint16_t *)y + base + k),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(round16_bf16(v), 16)));
+            else
+                _mm512_storeu_ps((float *)y + base + k, v);
+        }
+    }
+}
+#endif
+
 void q8_rms_norm(const void *x, int bf16, int64_t rows, int64_t d, const float *w, int round_first, float eps,
                  void *y) {
+#if defined(__AVX512F__)
+    if (d % 16 == 0) { rms_norm16(x, bf16, rows, d, w, round_first, eps, y); return; }
+#endif
     for (int64_t r = 0; r < rows; r++) {
         const int64_t base = r * d;
         float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -757,6 +805,32 @@ static inline __attribute__((always_inline)) void attend_group_vec(
     /* scores, 16 keys at a time: the keys converted once, then each head's 16 dot products */
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
         const int cnt = (int)(n - j0 < 16 ? n - j0 : 16);
+#if defined(__AVX512BF16__)
+        if (bf16) {
+            /* bfloat16 queries and keys: pairs of products summed into float32 lanes (vdpbf16ps,
+             * products exact, denormals flushed), read in place: half the instructions of float32
+             * FMAs on converted keys. The same operations for every row and key. */
+            const char *kj[16];
+            for (int jj = 0; jj < cnt; jj++) kj[jj] = (const char *)k + (size_t)(KV_AT(start + j0 + jj) * kv_pos) * 2;
+            const __mmask16 live = (__mmask16)(cnt == 16 ? 0xffffu : (1u << cnt) - 1u);
+            for (int64_t i = 0; i < G; i++) {
+                const char *qi = (const char *)q + (size_t)(i * D) * 2;
+                __m512bh qv[8];
+                for (int c = 0; c < NC / 2; c++) qv[c] = (__m512bh)_mm512_loadu_si512((const void *)(qi + 64 * c));
+                __m512 a[16];
+                for (int jj = 0; jj < 16; jj++) {
+                    if (jj >= cnt) { a[jj] = _mm512_setzero_ps(); continue; }
+                    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0],
+                                                  (__m512bh)_mm512_loadu_si512((const void *)kj[jj]));
+                    for (int c = 1; c < NC / 2; c++)
+                        acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512((const void *)(kj[jj] + 64 * c)));
+                    a[jj] = acc;
+                }
+                _mm512_mask_storeu_ps(s + i * n + j0, live, _mm512_mul_ps(sum16(a), _mm512_set1_ps(scale)));
+            }
+            continue;
+        }
+#endif
         for (int jj = 0; jj < cnt; jj++) {
             const char *kj = (const char *)k + (size_t)(KV_AT(start + j0 + jj) * kv_pos) * es;
             for (int c = 0; c < NC; c++) _mm512_storeu_ps(kf + jj * D + 16 * c, load16_kv(kj + (size_t)(16 * c) * es, bf16));
@@ -797,11 +871,14 @@ static inline __attribute__((always_inline)) void attend_group_vec(
         total[i] = _mm512_reduce_add_ps(sum);
     }
     /* values: each value row converted once per group of heads (16 accumulators a group) */
-    const int HG = 16 / NC;
+    /* as many heads a group as 28 accumulators hold (with the value row's NC vectors, 32 registers;
+     * the weights are broadcast from memory): a value row is converted once per group. Every
+     * accumulator sums over the keys in the same order whatever the grouping. */
+    const int HG = 28 / NC;
     for (int64_t i0 = 0; i0 < G; i0 += HG) {
         const int hg = (int)(G - i0 < HG ? G - i0 : HG);
-        __m512 acc[16];
-        for (int x = 0; x < 16; x++) acc[x] = _mm512_setzero_ps();
+        __m512 acc[28];
+        for (int x = 0; x < 28; x++) acc[x] = _mm512_setzero_ps();
         for (int64_t j = 0; j < n; j++) {
             const char *vj = (const char *)v + (size_t)(KV_AT(start + j) * kv_pos) * es;
             __m512 vc[16];
