@@ -25,6 +25,7 @@ from dynaspec.errors import ConfigError
 from dynaspec.runtime.artifacts import read_artifact, write_artifact
 from dynaspec.runtime.hookspecs import hookimpl
 from dynaspec.runtime.params import is_text, non_negative_int, param
+from dynaspec.runtime.quantized import drafter_on_kernel
 from dynaspec.runtime.registry import Component
 from dynaspec.runtime.types import BuildContext, DraftStep, Shortlist
 
@@ -190,8 +191,10 @@ def _dynaspec(params: DynaSpecParams | HybridParams, ctx: BuildContext,
     fingerprint = dict(ctx.target_fingerprint)
     data = load_clusters(ctx.resolve_artifact(str(clusters_path)), fingerprint)
     router, meta = Router.load(ctx.resolve_artifact(str(router_path)), fingerprint)
-    # the router runs in the target's dtype and place: in bfloat16 it reads half the bytes per step
+    # the router runs in the target's dtype and place: in bfloat16 it reads half the bytes per step,
+    # and on the target's int8 kernel (as the drafter does) a quarter of float32's
     router.to(device=ctx.device, dtype=ctx.lm_head_weight.dtype)
+    router = drafter_on_kernel(router, ctx.weights)
     m = data["centroids"].shape[0]
     if router.cfg.clusters != m:
         raise ConfigError(f"router scores {router.cfg.clusters} clusters but the cluster file has {m}")

@@ -112,6 +112,37 @@ def test_dynaspec_stack_is_exact(artifacts, scheduler, per_row):
     assert 0 < result.stats.mean_shortlist_size < 128
 
 
+def test_the_router_computes_on_the_targets_int8_kernel(artifacts):
+    """With the target on int8 weights the router's two layers run on the same kernel as the
+    drafter's (a quarter of float32's bytes a step); its shortlists change a little, the output
+    never: it is the plain decoding of the same weights, and float weights keep the float router."""
+    from dynaspec.plugins.tiny import tiny_target
+    from dynaspec.runtime import q8
+    from dynaspec.runtime.config import stack_from_mapping
+    from dynaspec.runtime.engine import Engine
+
+    if q8.available() is not None:
+        pytest.skip("the int8 kernel does not build here")
+    root, _ = artifacts
+    shortlister = {"name": "dynaspec", "clusters": str(root / "clusters"), "router": str(root / "router")}
+    registry = builtin_registry()
+    for weights, kernel in (("int8", True), ("dtype", False)):
+        tgt = tiny_target("llama")
+        stack = {"name": "r", "target": "tiny-llama", "weights": weights, "drafter": "in-memory",
+                 "shortlister": shortlister, "scheduler": {"name": "fixed", "budget": 2, "unit": "clusters"},
+                 "draft": {"mode": "chain", "depth": 4}}
+        engine = Engine(stack_from_mapping(stack), tgt, trained_drafter("llama"), registry=registry)
+        router = engine.shortlister.router
+        assert isinstance(router.inp.forward, q8.Int8WeightLinear) == kernel
+        assert isinstance(router.out.forward, q8.Int8WeightLinear) == kernel
+        plain = Engine(stack_from_mapping({"name": "p", "target": "tiny-llama", "weights": weights}), tgt,
+                       registry=registry)
+        for prompt in ([5, 6, 7, 8], [30, 31, 9]):
+            result = engine.generate(prompt, max_new_tokens=24)
+            assert result.token_ids == plain.generate(prompt, max_new_tokens=24).token_ids
+            assert 0 < result.stats.mean_shortlist_size < 128
+
+
 @pytest.mark.parametrize("draft", [{"mode": "chain", "depth": 5},
                                    {"mode": "tree", "depth": 4, "topk": 3, "total_tokens": 10}])
 def test_router_overlap_on_a_thread_changes_nothing_but_where_the_router_runs(artifacts, draft):

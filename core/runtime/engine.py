@@ -128,7 +128,7 @@ class Engine:
             vocab_size=target.vocab_size, hidden_size=target.hidden_size,
             lm_head_weight=target.lm_head_weight, special_token_ids=target.special_token_ids,
             target_fingerprint=target.fingerprint(), device=target.device,
-            tokenizer=target.tokenizer, resolve_artifact=_resolve_artifact)
+            tokenizer=target.tokenizer, resolve_artifact=_resolve_artifact, weights=target.weights)
         # "required": the probed kernels, padded where that is what makes them invariant;
         # "observed": the same without padding (a plain step then costs one row, not several)
         self.strict = stack.exact == "required"

@@ -80,3 +80,6 @@ class BuildContext:
     #: Row permutation of the LM head the shortlister's spans refer to: set by the engine in the
     #: context it gives the backend's factory (from ``Shortlister.head_layout``), else None.
     head_layout: torch.Tensor | None = None
+    #: The target's ``weights`` setting (see ``StackConfig.weights``), resolved: a component with
+    #: dense layers of its own (the router) may compute them on the same kernel.
+    weights: str | None = None
