@@ -125,6 +125,28 @@ def test_composite_tree_merges_lookup_and_drafter(kind):
         assert result.stats.draft_sources[0] > 0 and result.stats.draft_sources[1] > 0
 
 
+def test_keep_best_with_a_floor_keeps_the_first_line_and_likely_side_lines():
+    """keep_best(total, floor): the best ``total`` nodes, of which the side lines only where the
+    drafter gives them at least exp(floor); the first line stays whole; the result is closed under
+    ancestors."""
+    import math
+
+    tree = DraftTree.with_root(1)
+    a = tree.add(0, 10, math.log(0.5))    # first line: 0.5
+    b = tree.add(0, 11, math.log(0.3))    # side: 0.3
+    tree.add(0, 12, math.log(0.05))       # side: 0.05
+    c = tree.add(a, 13, math.log(0.1))    # first line: 0.05
+    tree.add(a, 14, math.log(0.4))        # side: 0.2
+    tree.add(b, 15, math.log(0.2))        # side: 0.06
+    tree.add(c, 16, math.log(0.9))        # first line: 0.045
+    kept = tree.keep_best(10, floor=math.log(0.1))
+    assert sorted(kept.tokens) == [1, 10, 11, 13, 14, 16]  # 12 and 15 fall below 0.1
+    assert all(p < i for i, p in enumerate(kept.parents) if i)  # parents before children
+    assert kept.first_line() == [0, 1, 3, 5] and [kept.tokens[i] for i in kept.first_line()] == [1, 10, 13, 16]
+    assert sorted(tree.keep_best(3, floor=math.log(0.1)).tokens) == [1, 10, 11, 14]  # the best 3 first
+    assert len(tree.keep_best(10)) == len(tree)  # no floor: everything within the total
+
+
 def test_composite_tree_without_merging_drafts_the_first_proposal():
     """``merge = false`` in a tree stack: prompt lookup's chain where the text repeats, the trained
     drafter's tree elsewhere, never both in one cycle; its trees stay within the probed rows, so

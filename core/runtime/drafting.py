@@ -3,7 +3,8 @@
 At each draft depth the scheduler gives a budget, the shortlister proposes the vocabulary rows,
 the backend multiplies the drafter's state by those rows only, and the verifier chooses the
 children (greedy top-k, or draws for lossless sampling). A draft stops at ``draft.depth``, or
-earlier once the drafter's probability of its likeliest line falls below ``draft.min_confidence``.
+earlier once the drafter's probability of its likeliest line falls below ``draft.min_confidence``;
+a tree (greedy) also keeps only the side lines it gives at least that probability.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class Drafting:
             out = drafter(emb[None], feats[None], positions[None], cache=dcache)[0][-1:]
         base = dcache.length
         tree = DraftTree.with_root(int(fresh_tokens[-1]))
+        floor = math.log(cfg.min_confidence) if cfg.min_confidence > 0 else -math.inf
         frontier: list[int] = [0]
         slots: dict[int, int] = {}  # tree node -> its entry in the drafter cache (beyond `base`)
         for depth in range(steps):
@@ -103,8 +105,11 @@ class Drafting:
                         parent_row[child] = row
             if depth == steps - 1 or self._confidence(tree, new_nodes) < cfg.min_confidence:
                 break
-            # expand the best new nodes: feed (token, parent's predicted feature) to the drafter
+            # expand the best new nodes: feed (token, parent's predicted feature) to the drafter;
+            # in a tree, only lines the drafter still gives min_confidence (the best one always)
             frontier = sorted(new_nodes, key=lambda n: (-tree.scores[n], n))[: cfg.topk]
+            if cfg.topk > 1 and verifier.prunes:
+                frontier = frontier[:1] + [n for n in frontier[1:] if tree.scores[n] >= floor]
             toks = torch.tensor([tree.tokens[n] for n in frontier], device=device)
             feats = out[torch.tensor([parent_row[n] for n in frontier], device=device)]
             with stats.timed("embed"):
@@ -130,7 +135,11 @@ class Drafting:
         if routing:
             routing()  # a step that was routed but not drafted: finish it before returning
         dcache.crop(base)
-        return tree.keep_best(cfg.total_tokens) if verifier.prunes else tree
+        if not verifier.prunes:
+            return tree
+        # a tree verifies its best nodes, and none whose line the drafter gives less than
+        # min_confidence beyond its first line (each row costs the target some compute)
+        return tree.keep_best(cfg.total_tokens, floor=floor if cfg.topk > 1 else None)
 
     @staticmethod
     def _confidence(tree: DraftTree, new_nodes: list[int]) -> float:

@@ -67,10 +67,7 @@ class PathLogits:
     @staticmethod
     def first_line(tree: DraftTree, node: int = 0) -> list[int]:
         """``node`` and the line below it that the drafter put first in ``tree``."""
-        line = [node]
-        while tree.children.get(line[-1]):
-            line.append(tree.children[line[-1]][0])
-        return line
+        return tree.first_line(node)
 
     def prefill(self, line: Sequence[int], logits: torch.Tensor) -> None:
         """The logits of ``line``, computed elsewhere (in a head product shared with other

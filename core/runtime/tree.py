@@ -53,14 +53,27 @@ class DraftTree:
             node = self.parents[node]
         return out
 
-    def keep_best(self, total: int) -> "DraftTree":
-        """The ``total`` highest-scoring drafted nodes (EAGLE-2 rerank), with the root.
+    def keep_best(self, total: int, floor: float | None = None) -> "DraftTree":
+        """The ``total`` highest-scoring drafted nodes (EAGLE-2 rerank), with the root; with
+        ``floor`` (a log-probability), only those scoring at least ``floor`` besides the drafter's
+        first line (the line of first children from the root), which stays as it is.
 
         Scores never increase from parent to child, and ties go to the shallower node, so the kept
         set is closed under ancestors.
         """
-        ranked = sorted(range(1, len(self)), key=lambda i: (-self.scores[i], self.depths[i], i))
-        return self._subtree(sorted([0, *ranked[:total]], key=lambda i: (self.depths[i], i)), leaf_probs=True)
+        ranked = sorted(range(1, len(self)), key=lambda i: (-self.scores[i], self.depths[i], i))[:total]
+        if floor is not None:
+            first = set(self.first_line())
+            ranked = [i for i in ranked if i in first or self.scores[i] >= floor]
+        return self._subtree(sorted([0, *ranked], key=lambda i: (self.depths[i], i)), leaf_probs=True)
+
+    def first_line(self, node: int = 0) -> list[int]:
+        """``node`` and the line below it that the drafter put first: its first child, that
+        child's first child, and so on."""
+        line = [node]
+        while self.children.get(line[-1]):
+            line.append(self.children[line[-1]][0])
+        return line
 
     def within(self, positions: int) -> "DraftTree":
         """The tree cut to its first ``positions`` draft positions (nodes deeper are dropped; a
