@@ -105,12 +105,19 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding (rotate-half form) of x [B, H, T, D] at positions [B, T]."""
-    dim = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim))
+def _rope_angles(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, 1, T, D] of the rotary angles at positions [B, T] (float32)."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
     ang = positions.float()[:, None, :, None] * inv  # [B, 1, T, D/2]
-    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    return torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float,
+          angles: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Rotary position embedding (rotate-half form) of x [B, H, T, D] at positions [B, T]
+    (``angles``: their :func:`_rope_angles`, when the caller computed them for q and k alike)."""
+    dim = x.shape[-1]
+    cos, sin = angles if angles is not None else _rope_angles(positions, dim, theta)
     x1, x2 = x[..., : dim // 2], x[..., dim // 2:]
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
@@ -164,7 +171,8 @@ class DecoderLayer(nn.Module):
         v = self.v_proj(hx).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rope(q, positions, cfg.rope_theta), _rope(k, positions, cfg.rope_theta)
+        angles = _rope_angles(positions, cfg.head_dim, cfg.rope_theta)  # once for q and k
+        q, k = _rope(q, positions, cfg.rope_theta, angles), _rope(k, positions, cfg.rope_theta, angles)
         if cache is not None:
             k, v = cache.append(k, v)
         rep = cfg.num_heads // cfg.num_kv_heads
