@@ -81,10 +81,18 @@ def test_the_planner_limits_a_batch_by_what_rows_cost():
 
 
 def test_a_request_held_to_plain_steps_looks_again():
+    """A held request drafts one cycle in full every PROBE_EVERY cycles per request in the batch,
+    and one request at most looks in a cycle: the batch probes about once every PROBE_EVERY cycles."""
+    every = planner_mod.PROBE_EVERY
     planner, controls = _planner(per_row=1.0)
-    seen = [planner.plan(controls)[0] for _ in range(planner_mod.PROBE_EVERY * 2)]
-    assert seen.count(None) == 2 and seen[planner_mod.PROBE_EVERY - 1] is None
-    assert all(s == 0 for i, s in enumerate(seen) if (i + 1) % planner_mod.PROBE_EVERY)
+    seen = [planner.plan(controls[:2])[0] for _ in range(every * 4)]  # a batch of two
+    assert seen.count(None) == 2 and seen[2 * every - 1] is None
+    assert all(s == 0 for i, s in enumerate(seen) if (i + 1) % (2 * every))
+    planner, controls = _planner(per_row=1.0)
+    rounds = [planner.plan(controls) for _ in range(3 * every + 2)]  # three requests held together
+    looks = [(i, r.index(None)) for i, r in enumerate(rounds) if None in r]
+    assert all(r.count(None) <= 1 for r in rounds)
+    assert looks == [(3 * every - 1, 0), (3 * every, 1), (3 * every + 1, 2)]  # one a cycle, in turn
 
 
 def test_a_tree_cut_to_its_first_positions():

@@ -19,8 +19,11 @@ The planner measures, as the server runs:
 Each cycle it grants draft positions, best ``a`` first (a request's positions in order), as far as
 they raise the batch's expected tokens per second, ``(B + sum of granted a) / (fixed + per_request
 * B + per_row * granted)``. A request granted all its positions drafts as its stack says (its own
-stop rules and gate); one granted none takes a plain step. One held to plain steps for
-``PROBE_EVERY`` cycles drafts one cycle in full, so that its acceptance stays measured.
+stop rules and gate); one granted none takes a plain step. A request held to plain steps for
+``PROBE_EVERY`` cycles times the requests in the batch drafts one cycle in full, so that its
+acceptance stays measured, and no more than one request probes in a cycle: a probe costs the whole
+batch one request's draft (its drafter first catches up on every token it skipped), so the batch
+as a whole probes about once every ``PROBE_EVERY`` cycles, whatever its size.
 
 Greedy output does not depend on any of this: the depth changes what is proposed, never what is
 verified. The constants were set by reasoning about the estimators, not tuned on prompts.
@@ -41,7 +44,7 @@ WINDOW, DECAY = 64, 0.95
 MIN_CYCLES, MIN_ROW_SPREAD = 8, 2
 #: how many drafts the pooled acceptance weighs as in a request's own estimate
 PRIOR_DRAFTS = 4
-#: plain cycles in a row after which a held request drafts one cycle in full
+#: plain cycles in a row, per request in the batch, after which a held request drafts one cycle in full
 PROBE_EVERY = 16
 
 
@@ -107,9 +110,12 @@ class DepthPlanner:
     def plan(self, controls: Sequence[DepthControl]) -> list[int | None]:
         """Set and return each request's limit for the next cycle (None: as its stack says)."""
         limits = self.choose(controls)
+        due = PROBE_EVERY * len(controls)
+        # the request held longest looks again once it is due (its acceptance may have changed)
+        held = [i for i, limit in enumerate(limits) if limit == 0 and controls[i].held + 1 >= due]
+        if held:
+            limits[max(held, key=lambda i: controls[i].held)] = None
         for control, limit in zip(controls, limits):
-            if limit == 0 and control.held + 1 >= PROBE_EVERY:
-                limit = None  # look again: its acceptance may have changed
             control.held = control.held + 1 if limit == 0 else 0
             control.limit = limit
         return [c.limit for c in controls]
