@@ -247,3 +247,35 @@ def test_an_interrupted_redo_resumes_from_its_checkpoint(prepared, tmp_path, mon
     assert loaded[0] is None and len(loaded) == 2 and loaded[1] > 0
     assert manifest["stages"]["drafter"]["command"] == "resumed"
     assert (again / "drafter" / "drafter.json").exists()
+
+
+def test_sampled_continuations_are_collected_and_trained_on(prepared, tmp_path):
+    """``--sampled 1``: a redo of collect keeps the greedy shards and adds the same prompts'
+    sampled continuations in work-sampled-0 (shards of their own kind); the drafter stage then
+    trains on both folders and records them; bad settings are refused before anything runs."""
+    from dynaspec.training.shards import shard_kind, shard_paths
+
+    out, _ = prepared
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    greedy = [p.read_bytes() for p in shard_paths(again / "work")]
+    budget = attrs.evolve(BUDGET, sampled=1, temperature=0.8, steps=30)
+    manifest = prepare("tiny-llama", again, budget=budget, redo=("collect", "drafter"),
+                       only=("collect", "drafter"), init=str(again / "drafter"), command="sampled")
+    assert [p.read_bytes() for p in shard_paths(again / "work")] == greedy  # nothing collected again
+    sampled = shard_paths(again / "work-sampled-0")
+    assert len(sampled) == 4 and shard_kind(sampled[0])["sampling"] != "greedy"
+    collect = manifest["stages"]["collect"]
+    assert collect["outputs"] == ["work", "work-sampled-0"] and collect["sampled"][0]["shards"] == 4
+    assert manifest["budget"]["sampled"] == 1 and manifest["budget"]["temperature"] == 0.8
+    training = json.loads((again / "drafter" / "drafter.json").read_text())["training"]
+    assert training["work"] == ["work", "work-sampled-0"] and training["command"] == "sampled"
+    spec, plain = _plain_and_spec(again / "stack.toml")
+    assert spec.token_ids == plain.token_ids
+    for bad, message in ((["--sampled", "1", "--temperature", "0"], "above 0"),
+                         (["--sampled", "1", "--source", "raw"], "needs --source generated")):
+        cli = [sys.executable, "-m", "dynaspec", "prepare", "--target", "tiny-llama", "--out",
+               str(tmp_path / "z"), *bad]
+        done = subprocess.run(cli, capture_output=True, text=True)
+        assert done.returncode != 0 and message in done.stderr, done.stderr
+        assert not (tmp_path / "z").exists()

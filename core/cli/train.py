@@ -105,6 +105,12 @@ def register(sub) -> None:
     pr.add_argument("--loss-on", choices=["answer", "all"], default="answer",
                     help="answer: the drafter learns at the positions whose next token is the target's own "
                     "continuation (what it drafts; the prompt is context); all: at the prompts' too")
+    pr.add_argument("--sampled", type=non_negative_int, default=0, metavar="N",
+                    help="also collect N sampled continuations of the same prompts (at --temperature, seeds 0 "
+                    "to N-1, in OUT/work-sampled-SEED) and train the drafter on them beside the greedy ones: "
+                    "more of the text the target writes without new prompts (default 0)")
+    pr.add_argument("--temperature", type=float, default=0.7,
+                    help="the temperature of --sampled continuations (default 0.7)")
     pr.add_argument("--clusters", type=positive_int, default=None, metavar="M",
                     help="vocabulary clusters (default: the vocabulary / 16, at most 1024)")
     pr.add_argument("--router-epochs", type=positive_int, default=3, help="passes over the router's examples")
@@ -240,7 +246,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                            clusters=args.clusters,
                            router_epochs=args.router_epochs,
                            router_width=args.router_width, dtype=args.dtype, loss_on=args.loss_on,
-                           weights=args.weights, precision=args.precision)
+                           weights=args.weights, precision=args.precision, sampled=args.sampled,
+                           temperature=args.temperature)
+    if args.sampled and not args.temperature > 0:
+        raise ConfigError(f"--temperature {args.temperature}: sampled continuations need a temperature above 0")
+    if args.sampled and args.source != "generated":
+        raise ConfigError("--sampled continues the prompts: it needs --source generated")
     if args.init and args.drafter:
         raise ConfigError("--init starts a drafter's training and --drafter uses one untrained: give one of them")
     manifest = prepare(args.target, Path(args.out), budget=budget, drafter=args.drafter, redo=tuple(args.redo),

@@ -77,6 +77,11 @@ class PrepareBudget:
     #: where the drafter's loss is read: ``answer``, the positions whose next token is the target's
     #: own continuation (what it drafts at inference); ``all``, the prompts' positions too
     loss_on: str = attrs.field(default="answer", validator=attrs.validators.in_(("answer", "all")))
+    #: sampled continuations of the same prompts, at ``temperature``, one folder per seed
+    #: (``work-sampled-0``, ...), that the drafter trains on beside the greedy ones (more text that
+    #: the target itself writes, without new prompts; the target's greedy next token is the teacher)
+    sampled: int = 0
+    temperature: float = 0.7
 
 
 def auto_feature_layers(count: int) -> tuple[int, ...]:
@@ -176,6 +181,8 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
     work = out / "work"
     drafter_dir = Path(resolve_artifact(drafter)) if drafter else out / "drafter"
 
+    sampled_work = [out / f"work-sampled-{seed_}" for seed_ in range(budget.sampled)]
+
     def collect() -> dict[str, Any]:
         collect_mod.collect(target, work, prompts=budget.prompts, shard_size=budget.shard_size,
                             new_tokens=budget.new_tokens, source=budget.source,
@@ -183,8 +190,18 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         described = describe_shards(shard_paths(work))
         # the stage's "seconds" are this run's; a collection resumed over several runs is timed by
         # its shards ("collect_seconds" over "timed_shards" of them)
-        return {"outputs": ["work"], "data": described["data"], "shards": described["shards"],
-                "collect_seconds": described["collect_seconds"], "timed_shards": described["timed_shards"]}
+        record = {"outputs": ["work"], "data": described["data"], "shards": described["shards"],
+                  "collect_seconds": described["collect_seconds"], "timed_shards": described["timed_shards"]}
+        for seed_, folder in enumerate(sampled_work):  # the same prompts, sampled continuations
+            collect_mod.collect(target, folder, prompts=budget.prompts, shard_size=budget.shard_size,
+                                new_tokens=budget.new_tokens, source="generated", temperature=budget.temperature,
+                                seed=seed_, feature_layers=budget.feature_layers, first_prompt=budget.first_prompt)
+            described = describe_shards(shard_paths(folder))
+            record["outputs"].append(folder.name)
+            record.setdefault("sampled", []).append(
+                {"folder": folder.name, "data": described["data"], "shards": described["shards"],
+                 "collect_seconds": described["collect_seconds"], "timed_shards": described["timed_shards"]})
+        return record
 
     def train_drafter() -> dict[str, Any]:
         if drafter:  # a given drafter is checked against the target and used as it is
@@ -192,10 +209,12 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
 
             load_drafter(str(drafter_dir), target)
             return {"outputs": [str(drafter_dir)], "given": True}
-        provenance: dict[str, Any] = {"command": command, "target": target_ref, "work": "work"}
+        folders = [work, *(f for f in sampled_work if shard_paths(f))]
+        provenance: dict[str, Any] = {"command": command, "target": target_ref,
+                                      "work": [f.name for f in folders] if len(folders) > 1 else "work"}
         if start is not None:
             provenance["init"] = {"drafter": Path(init).name, "training": start.meta.get("training")}
-        drafter_training.train(target, work, drafter_dir, steps=budget.steps,
+        drafter_training.train(target, folders, drafter_dir, steps=budget.steps,
                                batch_positions=budget.batch_positions, seed=seed,
                                intermediate_size=budget.drafter_width,
                                feature_layers=None if start else budget.feature_layers,
@@ -267,7 +286,8 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         record = runs[name]() if rank == 0 or name in shared else None
         distributed.barrier(world)
         if rank == 0:
-            digests = {o: _digest(out / o) for o in record["outputs"] if o != "work" and (out / o).exists()}
+            digests = {o: _digest(out / o) for o in record["outputs"]
+                       if not o.startswith("work") and (out / o).exists()}  # collected shards: not hashed
             manifest["stages"][name] = {**record, "sha256": digests, "command": command,
                                         "seconds": round(time.time() - started, 1),
                                         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
