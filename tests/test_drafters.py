@@ -125,6 +125,32 @@ def test_composite_tree_merges_lookup_and_drafter(kind):
         assert result.stats.draft_sources[0] > 0 and result.stats.draft_sources[1] > 0
 
 
+def test_a_drafter_with_a_context_reads_only_the_prompts_last_positions():
+    """``context = N``: the trained drafter's first draft reads the text's last N positions (its
+    cache starts there), then every new position; output stays plain decoding's."""
+    registry = builtin_registry()
+    prompt = [5, 9, 13, 2, 7, 30, 31, 9, 40, 41, 12, 3]
+    plain = reference_greedy("llama", prompt, 24)
+    lengths = {}
+    for context in (None, 4):
+        engine = make_engine("llama", trained_drafter("llama"), registry,
+                             drafter={"name": "trained", "artifact": "in-memory", "context": context},
+                             draft={"mode": "chain", "depth": 3})
+        sessions = []
+        start = engine.source.start
+        engine.source.start = lambda capacity, start=start: sessions.append(start(capacity)) or sessions[-1]
+        result = engine.generate(prompt, max_new_tokens=24)
+        assert result.token_ids == plain
+        session = sessions[0]
+        assert session.offset == (0 if context is None else len(prompt) - context)
+        lengths[context] = session.cache.length
+    # the drafter read 8 fewer prompt positions, and then the same ones
+    assert lengths[None] - lengths[4] == len(prompt) - 4
+    with pytest.raises(ConfigError, match="context.*integer >= 1"):
+        make_engine("llama", trained_drafter("llama"), registry,
+                    drafter={"name": "trained", "artifact": "in-memory", "context": 0})
+
+
 def test_keep_best_with_a_floor_keeps_the_first_line_and_likely_side_lines():
     """keep_best(total, floor): the best ``total`` nodes, of which the side lines only where the
     drafter gives them at least exp(floor); the first line stays whole; the result is closed under

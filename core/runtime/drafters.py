@@ -130,7 +130,9 @@ class NeuralSource:
 
     needs_features = True
 
-    def __init__(self, model, ctx: DrafterContext) -> None:
+    def __init__(self, model, ctx: DrafterContext, *, context: int | None = None) -> None:
+        """``context``: at its first draft of a generation the drafter reads only the last
+        ``context`` positions of the text (None: all of it), and every position after them."""
         from dynaspec.runtime.drafting import Drafting
         from dynaspec.runtime.quantized import drafter_on_kernel
 
@@ -143,21 +145,28 @@ class NeuralSource:
         cfg = ctx.draft
         self.max_depth, self.max_tokens = cfg.depth, max(cfg.total_tokens, cfg.depth)
         self.chains_only = cfg.mode == "chain" or cfg.topk == 1
+        self.context = context
 
     def start(self, capacity: int) -> "_NeuralSession":
-        return _NeuralSession(self.drafting, capacity)
+        return _NeuralSession(self.drafting, capacity, self.context)
 
 
 class _NeuralSession:
-    def __init__(self, drafting, capacity: int) -> None:
+    def __init__(self, drafting, capacity: int, context: int | None = None) -> None:
         from dynaspec.runtime.drafter import DraftCache
 
-        self.drafting, self.cache = drafting, DraftCache(capacity)
+        self.drafting, self.cache, self.context = drafting, DraftCache(capacity), context
+        #: the first position the drafter reads (set at its first draft: the text's last
+        #: ``context`` positions then, or all of it)
+        self.offset: int | None = None
 
     def grow(self, tokens, features, n, params, verifier, generator, stats, depth=None) -> DraftTree:
         # the drafter consumes (x_p, f_{p-1}) for the positions it has not seen yet (more than one
-        # after cycles another drafter of a composite drafted, or plain steps)
-        seen = self.cache.length
+        # after cycles another drafter of a composite drafted, or plain steps; the prompt, or its
+        # last ``context`` positions, at the first draft)
+        if self.offset is None:
+            self.offset = 0 if self.context is None else max(0, n - 1 - self.context)
+        seen = self.offset + self.cache.length
         return self.drafting.grow(tokens[seen + 1:n], features[seen:n - 1], n - 1, self.cache, params,
                                   verifier, generator, stats, tokens[:n], depth)
 
