@@ -58,6 +58,21 @@ def test_the_cost_fit_recovers_the_costs_it_is_fed():
     for _ in range(20):
         flat.observe(3, 5, 0.1)
     assert flat.fit() is None  # the drafted rows never varied: nothing says what a row costs
+    # a window of held requests (no drafted rows) keeps the last fit: the planner keeps holding
+    for _ in range(planner_mod.WINDOW):
+        costs.observe(5, 0, 0.07)
+    assert not costs.ready
+    assert costs.fit() == pytest.approx((0.02, 0.01, 0.004), abs=1e-9)
+
+
+def test_a_batch_held_for_a_whole_window_stays_held():
+    """Cycles with nothing drafted fill the cost window; the planner keeps the fit it had and
+    keeps holding, instead of letting every request draft in full again."""
+    planner, controls = _planner(per_row=1.0)
+    assert planner.plan(controls) == [0, 0, 0]
+    for _ in range(planner_mod.WINDOW):
+        planner.costs.observe(3, 0, 0.05)
+    assert not planner.costs.ready and planner.choose(controls) == [0, 0, 0]
 
 
 def _planner(per_row: float, accepted: float = 0.5) -> tuple[DepthPlanner, list[DepthControl]]:

@@ -54,6 +54,8 @@ class CycleCosts:
 
     def __init__(self) -> None:
         self.cycles: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)
+        #: the last fit the window could make: kept while the window cannot make one
+        self._last: tuple[float, float, float] | None = None
 
     def observe(self, requests: int, rows: int, seconds: float) -> None:
         """One cycle: ``requests`` in the pass, ``rows`` drafted rows verified, its wall time."""
@@ -68,15 +70,19 @@ class CycleCosts:
     def fit(self) -> tuple[float, float, float] | None:
         """``(fixed, per_request, per_row)`` in seconds, or None while too little is measured. A
         direction the cycles did not vary in (every pass holding the same number of requests) gets
-        the least-norm answer, which predicts those cycles as well as any other."""
+        the least-norm answer, which predicts those cycles as well as any other. A window whose
+        drafted rows no longer vary (every request held to plain steps for ``WINDOW`` cycles) says
+        nothing of what a row costs: the last fit holds then, or the planner would let every
+        request draft in full again just because it had held them."""
         if not self.ready:
-            return None
+            return self._last
         data = np.array(self.cycles, dtype=np.float64)
         weights = np.sqrt(DECAY ** np.arange(len(data) - 1, -1, -1))
         x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]]) * weights[:, None]
         y = data[:, 2] * weights
         coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-        return float(coef[0]), float(coef[1]), max(0.0, float(coef[2]))
+        self._last = float(coef[0]), float(coef[1]), max(0.0, float(coef[2]))
+        return self._last
 
 
 class DepthPlanner:
