@@ -92,7 +92,8 @@ def test_the_planner_limits_a_batch_by_what_rows_cost():
     planner, controls = _planner(per_row=1.0)
     assert planner.plan(controls) == [0, 0, 0]
     assert planner.plan(controls[:1]) == [None]  # alone, a request drafts as its stack says
-    assert DepthPlanner(3).plan(controls) == [None, None, None]  # nothing measured yet
+    assert DepthPlanner(3).plan(controls) == [1, 1, 1]  # nothing measured yet: one position each
+    assert DepthPlanner(3).plan(controls[:1]) == [None]
 
 
 def test_a_request_held_to_plain_steps_looks_again():

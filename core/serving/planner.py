@@ -16,7 +16,9 @@ The planner measures, as the server runs:
   drafted position ``j`` and accepted it (:class:`~dynaspec.runtime.gate.DepthControl`). The pooled
   share of every request so far weighs as ``PRIOR_DRAFTS`` drafts while a request has few of its own.
 
-Each cycle it grants draft positions, best ``a`` first (a request's positions in order), as far as
+Until both are measured, every request of a batch drafts one position a cycle (the cheapest draft
+that measures them; a request alone drafts as its stack says). Then each cycle it grants draft
+positions, best ``a`` first (a request's positions in order), as far as
 they raise the batch's expected tokens per second, ``(B + sum of granted a) / (fixed + per_request
 * B + per_row * granted)``. A request granted all its positions drafts as its stack says (its own
 stop rules and gate); one granted none takes a plain step. A request held to plain steps for
@@ -128,10 +130,12 @@ class DepthPlanner:
 
     def choose(self, controls: Sequence[DepthControl]) -> list[int | None]:
         """The limits that maximise the batch's expected tokens per second (no probing)."""
-        fit = self.costs.fit()
-        rates = self.acceptance(controls) if len(controls) > 1 else None
+        if len(controls) == 1:
+            return [None]  # alone, a request drafts as its stack says
+        fit, rates = self.costs.fit(), self.acceptance(controls)
         if fit is None or rates is None:
-            return [None] * len(controls)
+            # not measured yet: one position each, the cheapest draft that measures both
+            return [1] * len(controls)
         fixed, per_request, per_row = fit
         base = max(fixed + per_request * len(controls), 1e-9)
         return grant(rates, base, per_row)
