@@ -91,7 +91,8 @@ class DraftConfig:
     #: idle during the draft step (e.g. one torch thread per process on a multi-core machine).
     router_overlap: str = attrs.field(default="off")
     #: Stop drafting deeper once the drafter's likeliest line (the product of its draft
-    #: probabilities from the root) falls below this; 0 always drafts ``depth`` steps.
+    #: probabilities from the root) falls below this; 0 always drafts ``depth`` steps. A tree
+    #: (greedy) also verifies, beside its first line, only the nodes at least this likely.
     min_confidence: float = attrs.field(default=0.0, converter=float)
     #: Decode plainly while drafting does not pay: the engine measures, as it goes, the tokens per
     #: second of its drafted cycles and of plain steps on this machine, falls back to plain steps
