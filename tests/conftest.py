@@ -108,7 +108,9 @@ def tiny_spec_stack(tmp_path, monkeypatch):
 
     trained_drafter("llama").save(tmp_path / "drafter")
     spec = tmp_path / "spec.toml"
-    spec.write_text(f'name = "spec"\ntarget = "tiny-llama"\ndrafter = "{tmp_path / "drafter"}"\n'
+    # float32: the tests that use it compare it with stacks in other dtypes (auto would be
+    # bfloat16 where the CPU computes it natively)
+    spec.write_text(f'name = "spec"\ntarget = "tiny-llama"\ndrafter = "{tmp_path / "drafter"}"\ndtype = "float32"\n'
                     '[draft]\nmode = "tree"\ndepth = 3\ntopk = 2\ntotal_tokens = 6\n')
     base = tmp_path / "baseline.toml"
     base.write_text('name = "baseline"\ntarget = "tiny-llama"\ndrafter = "none"\n')

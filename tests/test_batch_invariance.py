@@ -81,7 +81,10 @@ def test_bfloat16_speculation_equals_bfloat16_plain_decoding(draft):
     # plain decoding on the same kernels as the stack (a tree is "observed": relaxed kernels)
     plain = Engine(stack_from_mapping({"name": "b", "target": "tiny-gemma3", "dtype": "bfloat16",
                                        "exact": spec.stack.exact}), tgt, None, registry=builtin_registry())
-    assert spec.exactness == ("guaranteed" if draft["mode"] == "chain" else "not guaranteed")
+    # a tree is guaranteed on the lean forward too (each row attends over its own line), on the
+    # relaxed kernels its "observed" runs where no product needed padding
+    relaxed_ok = not tgt.variant_products(strict=False)
+    assert spec.exactness == ("guaranteed" if draft["mode"] == "chain" or relaxed_ok else "not guaranteed")
     gen = torch.Generator().manual_seed(7)
     for _ in range(4):
         prompt = torch.randint(3, 99, (6,), generator=gen).tolist()

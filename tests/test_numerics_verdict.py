@@ -97,6 +97,11 @@ def test_required_refuses_what_is_not_guaranteed_and_observed_reports_it(monkeyp
         got = tree.generate(prompt, max_new_tokens=24)
         assert got.stats.exactness == "guaranteed"
         assert got.token_ids == plain.generate(prompt, max_new_tokens=24).token_ids
+    # dtype auto is the same for a tree as for a chain (bfloat16 where the CPU computes it natively)
+    from dynaspec.runtime.numerics import native_bf16, stack_dtype
+
+    auto_tree = stack_from_mapping({**stack, "dtype": "auto"})
+    assert stack_dtype(auto_tree) == (torch.bfloat16 if native_bf16() else torch.float32)
     # a tree with more rows than the probe covers is not
     with pytest.raises(ConfigError, match="a tree of up to 9 drafted tokens verifies 10 rows.*total_tokens <= 8"):
         make_engine("llama", drafter, registry, draft={**tree_draft, "total_tokens": 9}, exact="required")
