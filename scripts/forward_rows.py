@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     target = Engine.from_stack(args.stack).target
     past = args.context
-    ids = torch.randint(100, 5000, (past,), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, min(5000, target.vocab_size), (past,), generator=torch.Generator().manual_seed(0))
     cache = target.new_cache(past + max(args.rows) + 8)
     with torch.inference_mode():
         target.forward(ids, torch.arange(past), cache)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import math
 import subprocess
 import sys
@@ -180,3 +181,28 @@ def test_category_cost_names_the_categories_it_knows():
                           "--stacks", "baseline"], capture_output=True, text=True)
     assert out.returncode == 2
     assert "no built-in question in category 'nope'" in out.stderr and "translation" in out.stderr
+
+
+def test_forward_rows_times_chains_and_trees_by_rows(tmp_path):
+    """scripts/forward_rows.py: a row of the table per row count and shape, a tree only from 3 rows,
+    and one row's pass is 1.00 one-row passes."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "forward_rows.py"), "--stack", "tiny-baseline",
+                           "--context", "12", "--repeats", "2", "--rows", "1", "4"],
+                          capture_output=True, text=True, env={**os.environ, "DYNASPEC_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ") and "rows" not in line]
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [("1", "chain"), ("4", "chain"), ("4", "tree")]
+    assert rows[0][4].strip() == "1.00" and all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+
+
+def test_attend_bench_times_the_compiled_attention(tmp_path):
+    from dynaspec.runtime import q8
+
+    if q8.available() is not None or not q8.attention_available(64):
+        pytest.skip("the compiled attention runs vectorised with AVX-512 only")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "attend_bench.py"), "--keys", "40",
+                           "--repeats", "3", "--rows", "1", "3"], capture_output=True, text=True,
+                          env={**os.environ, "DYNASPEC_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ") and "rows" not in line]
+    assert [r[0].strip() for r in rows] == ["1", "3"] and all(float(r[1]) > 0 for r in rows)
