@@ -64,11 +64,6 @@ class PathLogits:
     def __len__(self) -> int:
         return self.hidden.shape[0]
 
-    @staticmethod
-    def first_line(tree: DraftTree, node: int = 0) -> list[int]:
-        """``node`` and the line below it that the drafter put first in ``tree``."""
-        return tree.first_line(node)
-
     def prefill(self, line: Sequence[int], logits: torch.Tensor) -> None:
         """The logits of ``line``, computed elsewhere (in a head product shared with other
         generations, see ``TargetModel.forward_many``): one product, as :meth:`__getitem__` would."""
@@ -77,7 +72,7 @@ class PathLogits:
 
     def __getitem__(self, node: int) -> torch.Tensor:
         if node not in self._rows:
-            line = self.first_line(self.tree, node)
+            line = self.tree.first_line(node)
             index = torch.tensor(line, device=self.hidden.device)
             logits = self.target.logits(self.hidden.index_select(0, index), strict=self.strict)
             self._rows.update(zip(line, logits))
@@ -465,7 +460,7 @@ class Engine:
         a few rows as for one, and a miss would read the whole head again); a larger tree's first
         line (see :class:`PathLogits`)."""
         if chain or len(tree) > getattr(self.target, "probed_rows", 0):
-            return PathLogits.first_line(tree)
+            return tree.first_line()
         return list(range(len(tree)))
 
     @torch.inference_mode()

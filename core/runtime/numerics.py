@@ -205,17 +205,11 @@ def verdict(target, source, *, strict: bool) -> tuple[str, str]:
     if tree and getattr(target, "forward_kind", None) != "lean":
         return "not guaranteed", ("a tree's rows attend to scattered ancestors, which the generic forward "
                                   "does not lay out as a plain step does (the lean forward does)")
-    if tree:
-        rows = source.max_tokens + 1
-        if rows > target.probed_rows:
-            return "not guaranteed", (f"a tree of up to {source.max_tokens} drafted tokens verifies {rows} rows, "
-                                      f"and the probe covers 1 to {target.probed_rows}: "
-                                      f"draft.total_tokens <= {target.probed_rows - 1}")
-    else:
-        rows = source.max_depth + 1
-        if rows > target.probed_rows:
-            return "not guaranteed", (f"a chain of {source.max_depth} drafted tokens verifies {rows} rows, and the "
-                                      f"probe covers 1 to {target.probed_rows}: draft.depth <= {target.probed_rows - 1}")
+    drafted, shape, field = ((source.max_tokens, "a tree of up to", "total_tokens") if tree
+                             else (source.max_depth, "a chain of", "depth"))
+    if drafted + 1 > target.probed_rows:
+        return "not guaranteed", (f"{shape} {drafted} drafted tokens verifies {drafted + 1} rows, and the "
+                                  f"probe covers 1 to {target.probed_rows}: draft.{field} <= {target.probed_rows - 1}")
     variant = target.variant_products(strict=strict)
     dtype = str(target.dtype).removeprefix("torch.")
     if variant:

@@ -256,18 +256,19 @@ def drafter_on_kernel(model: torch.nn.Module, weights: str | None, shared: dict 
             if isinstance(module, torch.nn.Linear):
                 module.forward = make_kernel(kind, module.weight, module.bias)
             elif isinstance(module, RMSNorm):  # one C call instead of some six tensor operations
-                module.forward = functools.partial(_compiled_norm, weight=module.weight.detach().float().contiguous(),
-                                                   eps=module.eps, norm=q8.rms_norm)
+                module.forward = functools.partial(_compiled_norm, module, module.weight.detach().float().contiguous(),
+                                                   q8.rms_norm)
     if shared is not None:
         shared[key] = (model, quick)  # the original held too: its id stays its own while cached
     return quick
 
 
-def _compiled_norm(x: torch.Tensor, *, weight: torch.Tensor, eps: float, norm) -> torch.Tensor:
-    """The drafter's RMS norm (weight applied in float32, then rounded) by the compiled kernel."""
+def _compiled_norm(module: torch.nn.Module, weight: torch.Tensor, norm, x: torch.Tensor) -> torch.Tensor:
+    """The drafter's RMS norm ``module`` (weight applied in float32, then rounded) by the compiled
+    kernel, for the dtypes it takes; others through the module's own forward."""
     if x.dtype not in (torch.float32, torch.bfloat16):
-        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
-    return norm(x, weight, eps)
+        return type(module).forward(module, x)
+    return norm(x, weight, module.eps)
 
 
 def padded(fn: Linear, good: tuple[int, ...]) -> Linear:

@@ -107,6 +107,14 @@ def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
     atomic_write(out / MANIFEST, lambda p: Path(p).write_text(json.dumps(manifest, indent=2, sort_keys=True)))
 
 
+def _described(folder: Path) -> dict[str, Any]:
+    """A collected folder as the manifest records it: its data, shards and collection time."""
+    from dynaspec.training.shards import describe_shards, shard_paths
+
+    described = describe_shards(shard_paths(folder))
+    return {key: described[key] for key in ("data", "shards", "collect_seconds", "timed_shards")}
+
+
 def _digest(path: Path) -> str:
     """sha256 over the files of an artifact folder (names and contents), to record what was built."""
     import hashlib
@@ -151,7 +159,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
     from dynaspec.training import distributed
     from dynaspec.training import drafter as drafter_training
     from dynaspec.training.router import build_router
-    from dynaspec.training.shards import describe_shards, shard_paths
+    from dynaspec.training.shards import shard_paths
     from dynaspec.training.vocabulary import build_clusters, build_frequency_list
 
     for name in (*redo, *only):
@@ -187,20 +195,15 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         collect_mod.collect(target, work, prompts=budget.prompts, shard_size=budget.shard_size,
                             new_tokens=budget.new_tokens, source=budget.source,
                             feature_layers=budget.feature_layers, first_prompt=budget.first_prompt)
-        described = describe_shards(shard_paths(work))
         # the stage's "seconds" are this run's; a collection resumed over several runs is timed by
         # its shards ("collect_seconds" over "timed_shards" of them)
-        record = {"outputs": ["work"], "data": described["data"], "shards": described["shards"],
-                  "collect_seconds": described["collect_seconds"], "timed_shards": described["timed_shards"]}
+        record = {"outputs": ["work"], **_described(work)}
         for seed_, folder in enumerate(sampled_work):  # the same prompts, sampled continuations
             collect_mod.collect(target, folder, prompts=budget.prompts, shard_size=budget.shard_size,
                                 new_tokens=budget.new_tokens, source="generated", temperature=budget.temperature,
                                 seed=seed_, feature_layers=budget.feature_layers, first_prompt=budget.first_prompt)
-            described = describe_shards(shard_paths(folder))
             record["outputs"].append(folder.name)
-            record.setdefault("sampled", []).append(
-                {"folder": folder.name, "data": described["data"], "shards": described["shards"],
-                 "collect_seconds": described["collect_seconds"], "timed_shards": described["timed_shards"]})
+            record.setdefault("sampled", []).append({"folder": folder.name, **_described(folder)})
         return record
 
     def train_drafter() -> dict[str, Any]:
