@@ -67,6 +67,31 @@ def test_rerun_skips_finished_stages_and_redo_runs_one(prepared, capsys):
     assert redone["stages"]["router"] == manifest["stages"]["router"]
 
 
+def test_two_processes_on_one_folder_keep_each_others_records(prepared, tmp_path, monkeypatch):
+    """A stage records itself into the manifest as it is on disk when the stage ends, not into the
+    copy its process read at its start: a collection running in the background and a stage run
+    beside it both keep their records."""
+    from dynaspec.training import vocabulary
+
+    out = tmp_path / "tiny"
+    shutil.copytree(prepared[0], out)
+    real = vocabulary.build_frequency_list
+
+    def beside(*args, **kwargs):  # another prepare process finishes a stage meanwhile
+        other = json.loads((out / prep.MANIFEST).read_text())
+        other["stages"]["collect"]["command"] = "the other process"
+        (out / prep.MANIFEST).write_text(json.dumps(other))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(vocabulary, "build_frequency_list", beside)
+    manifest = prepare("tiny-llama", out, budget=BUDGET, redo=("frequency",), only=("frequency",), command="mine")
+    on_disk = json.loads((out / prep.MANIFEST).read_text())
+    assert on_disk == manifest
+    assert on_disk["stages"]["collect"]["command"] == "the other process"
+    assert on_disk["stages"]["frequency"]["command"] == "mine"
+    assert on_disk["stages"]["router"] == prepared[1]["stages"]["router"]
+
+
 def test_an_interrupted_prepare_resumes_where_it_stopped(tmp_path, monkeypatch):
     out = tmp_path / "tiny"
     import dynaspec.training.router as router_mod

@@ -10,10 +10,12 @@ Stages, in order, each written into the output folder ``DIR``:
 6. ``stack``: ``DIR/stack.toml``, the default stack's settings on these artifacts (paths relative to
    the folder, so it can be moved whole).
 
-``DIR/prepare.json`` (the manifest, rewritten atomically after each stage) records every
-artifact, its fingerprint, the data, and the command and wall time of each stage. A rerun skips the
-finished stages; an interrupted stage resumes where it stopped (shards already collected are kept,
-the drafter resumes from its checkpoint); ``--redo STAGE`` runs one stage again.
+``DIR/prepare.json`` (the manifest) records every artifact, its fingerprint, the data, and the
+command and wall time of each stage. It is rewritten atomically after each stage, into what another
+prepare process on the same folder recorded meanwhile (the collection in the background and the
+drafter stage beside it keep both their records). A rerun skips the finished stages; an
+interrupted stage resumes where it stopped (shards already collected are kept, the drafter resumes
+from its checkpoint); ``--redo STAGE`` runs one stage again.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from dynaspec.runtime.files import atomic_write
 
 STAGES = ("collect", "drafter", "frequency", "clusters", "router", "stack")
 MANIFEST = "prepare.json"
+#: the lock under which a process updates the manifest (see _update_manifest)
+LOCK = ".prepare.json.lock"
 FORMAT = "dynaspec-prepare/1"
 
 
@@ -105,6 +109,21 @@ def _read_manifest(out: Path) -> dict[str, Any]:
 
 def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
     atomic_write(out / MANIFEST, lambda p: Path(p).write_text(json.dumps(manifest, indent=2, sort_keys=True)))
+
+
+def _update_manifest(out: Path, mine: dict[str, Any], change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Apply ``change`` to the manifest as it is on disk now and write it back, under a lock, and
+    return the result. Two prepare processes may share a folder (the collection in the background,
+    the drafter stage beside it): each records its own stages into what the other wrote meanwhile,
+    instead of writing back the copy it read at its start. ``mine``: this run's manifest, used when
+    the file does not exist yet."""
+    from filelock import FileLock
+
+    with FileLock(str(out / LOCK)):
+        manifest = _read_manifest(out) or mine
+        change(manifest)
+        _write_manifest(out, manifest)
+    return manifest
 
 
 def _described(folder: Path) -> dict[str, Any]:
@@ -185,7 +204,8 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
     target.to(dtype=resolve_dtype(budget.dtype, target.device))
     collect_mod.set_up_target(target, budget.weights)  # batched generation through the lean forward
     manifest = manifest or {"format": FORMAT, "target": target_ref, "fingerprint": fingerprint, "stages": {}}
-    manifest["budget"] = json.loads(json.dumps(attrs.asdict(budget)))  # the latest run's, as JSON keeps it
+    budget_record = json.loads(json.dumps(attrs.asdict(budget)))  # as JSON keeps it
+    manifest["budget"] = budget_record  # the latest run's
     work = out / "work"
     drafter_dir = Path(resolve_artifact(drafter)) if drafter else out / "drafter"
 
@@ -280,8 +300,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
             if name == "drafter" and not drafter:
                 shutil.rmtree(work / f"ckpt-{drafter_dir.name}", ignore_errors=True)
                 shutil.rmtree(drafter_dir, ignore_errors=True)
-            del manifest["stages"][name]
-            _write_manifest(out, manifest)
+            manifest = _update_manifest(out, manifest, lambda m, n=name: m["stages"].pop(n, None))
         distributed.barrier(world)
         if rank == 0:
             print(f"dynaspec prepare: {name} ...", file=sys.stderr, flush=True)
@@ -291,8 +310,12 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         if rank == 0:
             digests = {o: _digest(out / o) for o in record["outputs"]
                        if not o.startswith("work") and (out / o).exists()}  # collected shards: not hashed
-            manifest["stages"][name] = {**record, "sha256": digests, "command": command,
-                                        "seconds": round(time.time() - started, 1),
-                                        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-            _write_manifest(out, manifest)
+            entry = {**record, "sha256": digests, "command": command, "seconds": round(time.time() - started, 1),
+                     "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+            def finish(m: dict[str, Any], n: str = name, e: dict[str, Any] = entry) -> None:
+                m["budget"] = budget_record  # the latest run's
+                m["stages"][n] = e
+
+            manifest = _update_manifest(out, manifest, finish)
     return manifest
