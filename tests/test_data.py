@@ -103,3 +103,20 @@ def test_training_prompts():
     assert len(items) == 25
     assert all(data.split_of(p["id"]) == "train" and p["text"] for p in items)
     assert items[0]["id"] == "QWJhYvA_0"
+
+
+def test_a_conversations_slice_is_judged_once(monkeypatch):
+    """Collection reads the prompts from the split's start for every shard: the slices of the
+    conversations it passes over are remembered, not judged again, and stay what they were."""
+    import itertools
+
+    first = [item["slice"] for item in itertools.islice(data.training_prompts(), 0, 300)]
+    calls = []
+    real = data.conversation_slice
+    monkeypatch.setattr(data, "conversation_slice", lambda conv: calls.append(conv) or real(conv))
+    again = [item["slice"] for item in itertools.islice(data.training_prompts(), 0, 300)]
+    assert again == first and not calls
+    more = list(itertools.islice(data.training_prompts(), 300, 310))
+    assert len(calls) >= len(more) == 10  # new conversations are judged (dev ones passed over too)
+    assert [item["slice"] for item in more] == [real(c) for c in calls if data.split_of(c["id"]) == "train"
+                                                 and (data.first_human_turn(c) or "").strip()][:10]
