@@ -128,6 +128,12 @@ def test_eagle3_drafter_computes_the_reference(tmp_path, fmt):
     own = torch.cat([fused[:, :5] @ weights["fc.weight"].T, first[:, -1:]], 1)
     mixed = _reference(weights, cfg, emb, own, positions)
     assert torch.allclose(step, mixed[:, 5:], atol=1e-4)
+    # a pass whose last position's output alone is needed (a first draft over the prompt)
+    alone = DraftCache(16)
+    with torch.no_grad():
+        last = drafter(emb[:, :5], fused[:, :5], positions[:, :5], cache=alone, last=True)
+    torch.testing.assert_close(last, first[:, -1:])
+    assert torch.equal(alone.keys[:, :, :5], cache.keys[:, :, :5])
     # the draft logits are its own head over its normed output
     logits = drafter.head_input(mine) @ drafter.head_weight.T
     expected = (reference * torch.rsqrt(reference.pow(2).mean(-1, keepdim=True) + 1e-6)

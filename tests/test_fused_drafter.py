@@ -151,3 +151,34 @@ def test_prepare_with_fused_features_is_exact(tmp_path):
     _, recomputed, same = router_examples(load_shard(path), tgt.embed, assignment, drafter, fused=fused)
     assert torch.equal(labels, same) and len(labels) > 0
     torch.testing.assert_close(read, recomputed, atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_a_pass_for_the_last_position_alone_computes_its_output_and_the_same_cache(kind):
+    """``last=True`` (a first draft over the prompt, a catch-up over committed tokens): every
+    position's key and value enter the cache as in the full pass, and the last position's output
+    is the full pass's last row; with a mask, the mask's last row applies."""
+    from dynaspec.runtime.drafter import DraftCache
+
+    tgt = target(kind)
+    torch.manual_seed(0)
+    drafter = Drafter(attrs.evolve(DrafterConfig.like_target(tgt.model), feature_layers=(0, 2)))
+    assert drafter.cfg.qk_norm == (kind == "gemma3")
+    d = tgt.hidden_size
+    caches = DraftCache(32), DraftCache(32)
+    early = torch.randn(1, 3, d), torch.randn(1, 3, 2 * d), torch.arange(1, 4)[None]
+    for cache in caches:  # some context already cached
+        drafter(*early, cache=cache)
+    emb, feats, pos = torch.randn(1, 6, d), torch.randn(1, 6, 2 * d), torch.arange(4, 10)[None]
+    full = drafter(emb, feats, pos, cache=caches[0])
+    last = drafter(emb, feats, pos, cache=caches[1], last=True)
+    assert last.shape == (1, 1, d)
+    torch.testing.assert_close(last, full[:, -1:])
+    assert torch.equal(caches[0].keys, caches[1].keys) and torch.equal(caches[0].values, caches[1].values)
+    mask = torch.ones(6, 9, dtype=torch.bool).tril(3)
+    mask[-1, 4] = False  # the last row does not see one of the new positions
+    for cache in caches:
+        cache.crop(3)
+    full = drafter(emb, feats, pos, cache=caches[0], mask=mask)
+    last = drafter(emb, feats, pos, cache=caches[1], mask=mask, last=True)
+    torch.testing.assert_close(last, full[:, -1:])

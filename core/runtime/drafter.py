@@ -150,9 +150,11 @@ class DecoderLayer(nn.Module):
         self.act = _ACTIVATIONS[cfg.activation]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: DraftCache | None,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        """x [B, T, d], positions [B, T], mask bool [T, S] over (cached + new) keys or None=causal."""
-        x = x + self.attend(self.input_norm(x), positions, cache, mask)
+                mask: torch.Tensor | None, last: bool = False) -> torch.Tensor:
+        """x [B, T, d], positions [B, T], mask bool [T, S] over (cached + new) keys or None=causal.
+        ``last``: the output of the last position only ([B, 1, d]; see :meth:`attend`)."""
+        out = self.attend(self.input_norm(x), positions, cache, mask, last=last)
+        x = (x[:, -1:] if last else x) + out
         return x + self.mlp(x)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,18 +163,27 @@ class DecoderLayer(nn.Module):
         return self.down_proj(self.act(self.gate_proj(hx)) * self.up_proj(hx))
 
     def attend(self, hx: torch.Tensor, positions: torch.Tensor, cache: DraftCache | None,
-               mask: torch.Tensor | None) -> torch.Tensor:
+               mask: torch.Tensor | None, last: bool = False) -> torch.Tensor:
         """Self-attention of the normed input ``hx`` [B, T, a], projected back to [B, T, d]
-        (without the residual); the new keys and values are appended to ``cache``."""
+        (without the residual); the new keys and values are appended to ``cache``. ``last``: only
+        the last position attends ([B, 1, d]): the others' keys and values still go to the cache,
+        which is all that a pass over a prompt, or over the tokens a drafter catches up on, needs
+        of them (one layer: a position's key and value depend on its own input alone)."""
         cfg = self.cfg
         b, t, _ = hx.shape
-        q = self.q_proj(hx).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         k = self.k_proj(hx).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         v = self.v_proj(hx).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         angles = _rope_angles(positions, cfg.head_dim, cfg.rope_theta)  # once for q and k
-        q, k = _rope(q, positions, cfg.rope_theta, angles), _rope(k, positions, cfg.rope_theta, angles)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        k = _rope(k, positions, cfg.rope_theta, angles)
+        if last:  # the queries of the last position only
+            hx, angles, t = hx[:, -1:], (angles[0][..., -1:, :], angles[1][..., -1:, :]), 1
+            mask = None if mask is None else mask[-1:]
+        q = self.q_proj(hx).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = _rope(q, positions, cfg.rope_theta, angles)
         if cache is not None:
             k, v = cache.append(k, v)
         rep = cfg.num_heads // cfg.num_kv_heads
@@ -243,12 +254,13 @@ class Drafter(nn.Module):
 
     def forward(self, token_embeddings: torch.Tensor, features: torch.Tensor,
                 positions: torch.Tensor, cache: DraftCache | None = None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, last: bool = False) -> torch.Tensor:
         """Inputs [B, T, d] (``E(x_t)``) and [B, T, d] (``f_{t-1}``, or the drafter's own
-        prediction of it) or [B, T, k*d] (fused target layers) -> predicted features [B, T, d]."""
+        prediction of it) or [B, T, k*d] (fused target layers) -> predicted features [B, T, d]
+        (``last``: [B, 1, d], the last position's only; every position still enters ``cache``)."""
         features = self.project(features)
         x = self.fc(torch.cat([token_embeddings, features], dim=-1).to(self.fc.weight.dtype))
-        return self.norm(self.layer(x, positions, cache, mask))
+        return self.norm(self.layer(x, positions, cache, mask, last=last))
 
     # -- persistence -------------------------------------------------------------------------------
     def save(self, directory: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16) -> None:

@@ -9,6 +9,7 @@ a tree (greedy) also keeps only the side lines it gives at least that probabilit
 
 from __future__ import annotations
 
+import inspect
 import math
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,6 +33,9 @@ class Drafting:
         self.cfg, self.target, self.drafter = cfg, target, drafter
         self.shortlister, self.scheduler, self.backend = shortlister, scheduler, backend
         self._router_pool: ThreadPoolExecutor | None = None  # made on first use (router_overlap)
+        #: whether the drafter computes the last position's output alone (``last=True``; a plugin's
+        #: model written before it existed computes every position's)
+        self._last = "last" in inspect.signature(drafter.forward).parameters
         #: a drafter with a vocabulary of its own (EAGLE-3): the head row of each target id, or -1
         self._row_of: torch.Tensor | None = None
         if drafter.vocabulary is not None:
@@ -69,7 +73,10 @@ class Drafting:
                          prev_hidden=feats[-1:], context=context)
         routing = self._start_routing(step)
         with stats.timed("draft_core"):
-            out = drafter(emb[None], feats[None], positions[None], cache=dcache)[0][-1:]
+            # the positions before the last only enter the cache (the prompt at a first draft,
+            # the tokens committed since the last): their outputs are not needed
+            out = (drafter(emb[None], feats[None], positions[None], cache=dcache, last=True)[0] if self._last
+                   else drafter(emb[None], feats[None], positions[None], cache=dcache)[0][-1:])
         base = dcache.length
         tree = DraftTree.with_root(int(fresh_tokens[-1]))
         floor = math.log(cfg.min_confidence) if cfg.min_confidence > 0 else -math.inf

@@ -160,11 +160,13 @@ class Eagle3Drafter(Drafter):
         return self.fc(h) if h.shape[-1] != self.cfg.hidden_size else h
 
     def forward(self, token_embeddings: torch.Tensor, features: torch.Tensor,
-                positions: torch.Tensor, cache=None, mask: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor, cache=None, mask: torch.Tensor | None = None,
+                last: bool = False) -> torch.Tensor:
         dtype = self.fc.weight.dtype
         h = self.project(features)
         attn_in = torch.cat([self.layer.input_norm(token_embeddings.to(dtype)), self.hidden_norm(h)], dim=-1)
-        x = h + self.layer.attend(attn_in, positions, cache, mask)
+        out = self.layer.attend(attn_in, positions, cache, mask, last=last)
+        x = (h[:, -1:] if last else h) + out
         return x + self.layer.mlp(x)
 
 
