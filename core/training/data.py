@@ -259,7 +259,7 @@ def conversation_slice(conv: dict[str, Any]) -> str:
 #: the slice of each loaded conversation, by the identity of its (memoised, read-only) dict, which
 #: the entry holds so that the identity cannot pass to another: a collection reads the prompts from
 #: the start of the split for every shard, and judging the slice of the thousands it passes over
-#: took about 4 s a shard
+#: took 0.9 s a shard at prompt 9,000 (0.03 s with this)
 _SLICES: dict[int, tuple[dict[str, Any], str]] = {}
 
 
