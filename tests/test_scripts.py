@@ -206,3 +206,23 @@ def test_attend_bench_times_the_compiled_attention(tmp_path):
     assert done.returncode == 0, done.stderr
     rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ") and "rows" not in line]
     assert [r[0].strip() for r in rows] == ["1", "3"] and all(float(r[1]) > 0 for r in rows)
+
+
+def test_drafter_pass_cost_times_both_passes_and_refuses_a_stack_without_a_drafter(tmp_path):
+    """scripts/drafter_pass_cost.py: a row per position count with both times, on a stack's drafter;
+    a stack that does not draft with a model is refused."""
+    from conftest import trained_drafter
+
+    trained_drafter("llama").save(tmp_path / "drafter")
+    stack = tmp_path / "spec.toml"
+    stack.write_text(f'name = "spec"\ntarget = "tiny-llama"\ndrafter = "{tmp_path / "drafter"}"\n')
+    script = str(ROOT / "scripts" / "drafter_pass_cost.py")
+    env = {**os.environ, "DYNASPEC_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, script, "--stack", str(stack), "--positions", "4", "40", "--repeats", "2"],
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ") and "ms" not in line]
+    assert [r[0].strip() for r in rows] == ["4", "40"] and all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
+    refused = subprocess.run([sys.executable, script, "--stack", "tiny-baseline", "--repeats", "1"],
+                             capture_output=True, text=True, env=env)
+    assert refused.returncode != 0 and "has no drafter with a model" in refused.stderr
