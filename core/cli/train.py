@@ -33,7 +33,10 @@ mean accepted length of a chain of 5 over the full vocabulary, the target's own 
                  73% against 49% on new ones). 1,000 steps on 137 shards of new prompts (1.06M
                  positions) took it from 1.79 to 1.88 on dev shards of its w8a8 weights; 250 more
                  steps with --unroll 4 to 1.92 (the shipped drafter: 1.29x in the engine on dev,
-                 against 1.18x for the 1.79 drafter in the same run).
+                 against 1.18x for the 1.79 drafter in the same run). On 64 train prompts it never
+                 trained on (1.92 there), 400 more steps on 196 shards gave 1.96 and 1,000 more on
+                 207 shards (1.56M positions, 84 minutes) 1.94: more steps on text of this kind
+                 stopped paying.
 Collection is the long part. The target's own continuations (--source generated) are generated for
 a shard's prompts together, one token each per pass of the target through its lean forward, on the
 weights its default stack uses (--weights auto): about 80 answer positions a second on one core for
