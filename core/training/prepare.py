@@ -34,7 +34,7 @@ from dynaspec.runtime.files import atomic_write
 
 STAGES = ("collect", "drafter", "frequency", "clusters", "router", "stack")
 MANIFEST = "prepare.json"
-#: the lock under which a process updates the manifest (see _update_manifest)
+#: the lock under which a process updates the manifest (see _record_stage)
 LOCK = ".prepare.json.lock"
 FORMAT = "dynaspec-prepare/1"
 
@@ -111,17 +111,21 @@ def _write_manifest(out: Path, manifest: dict[str, Any]) -> None:
     atomic_write(out / MANIFEST, lambda p: Path(p).write_text(json.dumps(manifest, indent=2, sort_keys=True)))
 
 
-def _update_manifest(out: Path, mine: dict[str, Any], change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    """Apply ``change`` to the manifest as it is on disk now and write it back, under a lock, and
-    return the result. Two prepare processes may share a folder (the collection in the background,
-    the drafter stage beside it): each records its own stages into what the other wrote meanwhile,
-    instead of writing back the copy it read at its start. ``mine``: this run's manifest, used when
-    the file does not exist yet."""
+def _record_stage(out: Path, mine: dict[str, Any], name: str, entry: dict[str, Any] | None) -> dict[str, Any]:
+    """Record stage ``name``'s ``entry`` (None: take the stage out, for a redo) and this run's budget
+    into the manifest as it is on disk now, under a lock, and return the result. Two prepare
+    processes may share a folder (the collection in the background, the drafter stage beside it):
+    each records its own stages into what the other wrote meanwhile, instead of writing back the copy
+    it read at its start. ``mine``: this run's manifest, used when the file does not exist yet."""
     from filelock import FileLock
 
     with FileLock(str(out / LOCK)):
         manifest = _read_manifest(out) or mine
-        change(manifest)
+        manifest["budget"] = mine["budget"]  # the latest run's
+        if entry is None:
+            manifest["stages"].pop(name, None)
+        else:
+            manifest["stages"][name] = entry
         _write_manifest(out, manifest)
     return manifest
 
@@ -204,8 +208,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
     target.to(dtype=resolve_dtype(budget.dtype, target.device))
     collect_mod.set_up_target(target, budget.weights)  # batched generation through the lean forward
     manifest = manifest or {"format": FORMAT, "target": target_ref, "fingerprint": fingerprint, "stages": {}}
-    budget_record = json.loads(json.dumps(attrs.asdict(budget)))  # as JSON keeps it
-    manifest["budget"] = budget_record  # the latest run's
+    manifest["budget"] = json.loads(json.dumps(attrs.asdict(budget)))  # the latest run's, as JSON keeps it
     work = out / "work"
     drafter_dir = Path(resolve_artifact(drafter)) if drafter else out / "drafter"
 
@@ -300,7 +303,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
             if name == "drafter" and not drafter:
                 shutil.rmtree(work / f"ckpt-{drafter_dir.name}", ignore_errors=True)
                 shutil.rmtree(drafter_dir, ignore_errors=True)
-            manifest = _update_manifest(out, manifest, lambda m, n=name: m["stages"].pop(n, None))
+            manifest = _record_stage(out, manifest, name, None)
         distributed.barrier(world)
         if rank == 0:
             print(f"dynaspec prepare: {name} ...", file=sys.stderr, flush=True)
@@ -310,12 +313,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         if rank == 0:
             digests = {o: _digest(out / o) for o in record["outputs"]
                        if not o.startswith("work") and (out / o).exists()}  # collected shards: not hashed
-            entry = {**record, "sha256": digests, "command": command, "seconds": round(time.time() - started, 1),
-                     "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-
-            def finish(m: dict[str, Any], n: str = name, e: dict[str, Any] = entry) -> None:
-                m["budget"] = budget_record  # the latest run's
-                m["stages"][n] = e
-
-            manifest = _update_manifest(out, manifest, finish)
+            manifest = _record_stage(out, manifest, name, {
+                **record, "sha256": digests, "command": command, "seconds": round(time.time() - started, 1),
+                "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     return manifest
