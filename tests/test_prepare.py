@@ -210,6 +210,45 @@ def test_init_continues_the_prepared_drafter_on_the_answers(prepared, tmp_path):
     assert done.returncode != 0 and "give one of them" in done.stderr
 
 
+def test_embed_norm_added_to_a_drafter_keeps_its_function_and_then_trains(prepared, tmp_path):
+    import torch
+
+    from dynaspec.runtime.drafter import Drafter
+    from dynaspec.runtime.targets import load_target
+    from dynaspec.training.drafter import embedding_rms, with_embed_norm
+
+    out, _ = prepared
+    start = trained_drafter("llama").float()
+    assert not start.cfg.embed_norm and start.embed_norm is None
+    d = start.cfg.hidden_size
+    # token embeddings that all have RMS 0.02: the upgraded drafter computes exactly what it did
+    emb = torch.nn.functional.normalize(torch.randn(2, 7, d), dim=-1) * (0.02 * d ** 0.5)
+    feats, pos = torch.randn(2, 7, d), torch.arange(7)[None].expand(2, -1)
+    normed = with_embed_norm(start, 0.02)
+    assert normed.cfg.embed_norm and torch.all(normed.embed_norm.weight == 0.02)
+    with torch.no_grad():
+        # (up to the norm's epsilon: 1e-6 beside a mean square of 4e-4)
+        torch.testing.assert_close(normed(emb, feats, pos), start(emb, feats, pos), rtol=1e-2, atol=2e-4)
+        # and it is a norm: the scale of the embedding no longer reaches fc
+        torch.testing.assert_close(normed(emb * 50, feats, pos), normed(emb, feats, pos), rtol=1e-2, atol=2e-4)
+        assert not torch.allclose(start(emb * 50, feats, pos), start(emb, feats, pos), atol=1e-3)
+    assert with_embed_norm(normed, 1.0) is normed  # one already there is kept
+    target = load_target("tiny-llama")
+    rms = embedding_rms(target, chunk=7)  # chunks that do not divide the vocabulary
+    every = target.embed(torch.arange(target.vocab_size)).float().pow(2).mean(-1).sqrt()
+    assert rms == pytest.approx(float(every.median()))
+    # through prepare: --init without the norm, --embed-norm adds it; saved, loaded, exact
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    prepare("tiny-llama", again, budget=attrs.evolve(BUDGET, steps=10, embed_norm=True), redo=("drafter",),
+            only=("drafter",), init=str(again / "drafter"), command="embed norm")
+    loaded = Drafter.load(again / "drafter")
+    assert loaded.cfg.embed_norm and loaded.embed_norm is not None
+    assert not torch.allclose(loaded.embed_norm.weight.float(), torch.full((d,), rms), atol=1e-4)  # trained
+    spec, plain = _plain_and_spec(again / "stack.toml")
+    assert spec.token_ids == plain.token_ids
+
+
 def test_init_with_a_wider_width_widens_the_drafter_keeping_its_function(prepared, tmp_path):
     import torch
 

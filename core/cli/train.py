@@ -101,6 +101,10 @@ def register(sub) -> None:
                     help="EAGLE-3-style fused features: target layers whose inputs the drafter reads "
                     "beside the final hidden state; 'auto' (the default): a low and a middle one, layers "
                     "L//8 and L//2 of L; 'none': the final hidden state alone")
+    pr.add_argument("--embed-norm", action="store_true",
+                    help="an RMS norm on the token embedding before the drafter's fc, as EAGLE-3 has (for a target whose "
+                    "embeddings are small beside its hidden state, as Qwen2.5's are); with --init, a drafter without "
+                    "one gets it at gains that keep what it computes")
     pr.add_argument("--init", metavar="DRAFTER", default=None,
                     help="start the drafter stage from this drafter (a built-in name or a folder) instead of "
                     "random weights: more training on more data; its feature layers are kept, and its width unless "
@@ -179,6 +183,10 @@ def register(sub) -> None:
                     help="the target's dtype for collection and fused features: auto is bfloat16 where the "
                     "CPU computes it natively (2-3x faster prefills there), else float32")
     _precision_and_weights(tr)
+    tr.add_argument("--embed-norm", action="store_true",
+                    help="an RMS norm on the token embedding before the drafter's fc, as EAGLE-3 has (for a target whose "
+                    "embeddings are small beside its hidden state, as Qwen2.5's are); with --init, a drafter without "
+                    "one gets it at gains that keep what it computes")
     tr.add_argument("--init", metavar="DRAFTER", default=None,
                     help="start from this drafter's weights (a folder, or a built-in name such as "
                     "gemma3-270m) instead of random ones: more training on more data; its architecture "
@@ -250,7 +258,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                            router_epochs=args.router_epochs,
                            router_width=args.router_width, dtype=args.dtype, loss_on=args.loss_on,
                            weights=args.weights, precision=args.precision, sampled=args.sampled,
-                           temperature=args.temperature)
+                           temperature=args.temperature, embed_norm=args.embed_norm)
     if args.sampled and not args.temperature > 0:
         raise ConfigError(f"--temperature {args.temperature}: sampled continuations need a temperature above 0")
     if args.sampled and args.source != "generated":
@@ -307,7 +315,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         dt.train(target, [Path(w) for w in args.work], Path(args.out), epochs=args.epochs, steps=args.steps, lr=args.lr,
                  window=args.window, batch_positions=args.batch_positions, unroll=args.unroll,
                  max_shards=args.max_shards, provenance=provenance, intermediate_size=args.drafter_width,
-                 feature_layers=args.feature_layers, init=init, loss_on=args.loss_on, precision=args.precision)
+                 feature_layers=args.feature_layers, init=init, loss_on=args.loss_on, precision=args.precision,
+                 embed_norm=args.embed_norm)
     print(f"done in {time.time() - started:.0f} s", file=sys.stderr)
     return 0
 

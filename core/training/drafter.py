@@ -142,6 +142,32 @@ def widen(drafter: Drafter, width: int, *, seed: int = 0) -> Drafter:
     return wide
 
 
+def embedding_rms(target: TargetModel, *, chunk: int = 16384) -> float:
+    """The median over the vocabulary of a token embedding's RMS, as the drafter reads it
+    (``target.embed``: with the target's own scale, if it has one)."""
+    rms = []
+    with torch.no_grad():
+        for start in range(0, target.vocab_size, chunk):
+            ids = torch.arange(start, min(start + chunk, target.vocab_size), device=target.device)
+            rms.append(target.embed(ids).float().pow(2).mean(-1).sqrt().cpu())
+    return float(torch.cat(rms).median())
+
+
+def with_embed_norm(drafter: Drafter, scale: float) -> Drafter:
+    """``drafter`` with an RMS norm on its token embedding (``DrafterConfig.embed_norm``) whose
+    gains all start at ``scale``, the embeddings' typical RMS (:func:`embedding_rms`): a token
+    embedding of that RMS goes into ``fc`` unchanged, so the drafter computes what it did (up to
+    each token's distance from the typical RMS), and training can then grow the token's share of
+    ``fc``'s input through the gains instead of through ``fc``'s own weights."""
+    if drafter.cfg.embed_norm:
+        return drafter
+    normed = Drafter(attrs.evolve(drafter.cfg, embed_norm=True), meta=drafter.meta).to(drafter.fc.weight.dtype)
+    state = dict(drafter.state_dict())
+    state["embed_norm.weight"] = torch.full_like(normed.embed_norm.weight, scale)
+    normed.load_state_dict(state)
+    return normed
+
+
 def _step_loss(model: torch.nn.Module, head: torch.Tensor, frequent: torch.Tensor, shard, batch,
                embed, noise: float, generator: torch.Generator, rank: int = 0,
                world: int = 1, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
@@ -281,7 +307,8 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
           frequent: int = 2048, noise: float = 0.1, max_shards: int | None = None, seed: int = 0,
           checkpoint_every: int = 100, provenance: dict[str, Any] | None = None,
           intermediate_size: int | None = None, feature_layers: Sequence[int] | None = None,
-          init: Drafter | None = None, loss_on: str = "answer", precision: str = "auto") -> Drafter:
+          init: Drafter | None = None, loss_on: str = "answer", precision: str = "auto",
+          embed_norm: bool = False) -> Drafter:
     """Train a drafter on the collected shards of ``work`` (one folder, or several: say an English
     and code collection and a non-English one); write it to ``out``.
 
@@ -295,6 +322,9 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
     data); its architecture is kept, except that a wider ``intermediate_size`` widens its MLP
     (:func:`widen`: the same function at the start); a narrower width or other feature layers are
     refused.
+    ``embed_norm``: an RMS norm on the token embedding before ``fc`` (``DrafterConfig.embed_norm``);
+    an ``init`` drafter without one gets it at gains that keep its function (:func:`with_embed_norm`),
+    one with it keeps it (left out, ``init``'s architecture is kept as it is).
     ``loss_on``: ``"answer"`` trains on the positions whose next token is the target's own
     continuation (the prompts are context only), ``"all"`` on the prompts' positions too.
     ``precision``: the products of each step in ``bfloat16`` (autocast; the weights, the optimiser
@@ -337,12 +367,16 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
         config = DrafterConfig.like_target(target.model, intermediate_size=intermediate_size)
         if lower:
             config = attrs.evolve(config, feature_layers=(*lower, count))  # the final state last
+        if embed_norm:
+            config = attrs.evolve(config, embed_norm=True)
     _layer_inputs(target, paths, lower)
     drafter = Drafter(config).float()
     if init is not None:
         drafter.load_state_dict({k: v.float() for k, v in init.state_dict().items()})
         if intermediate_size is not None and intermediate_size > config.intermediate_size:
             drafter = widen(drafter, intermediate_size, seed=seed)
+        if embed_norm and not config.embed_norm:
+            drafter = with_embed_norm(drafter, embedding_rms(target))
     head = target.lm_head_weight.detach()
     freq = _frequent_tokens(paths, frequent)
     total_steps = steps or epochs * max(1, positions(paths) // batch_positions)

@@ -86,6 +86,9 @@ class PrepareBudget:
     #: the target itself writes, without new prompts; the target's greedy next token is the teacher)
     sampled: int = 0
     temperature: float = 0.7
+    #: an RMS norm on the drafter's token embedding (``DrafterConfig.embed_norm``; an ``--init``
+    #: drafter without one gets it at gains that keep its function)
+    embed_norm: bool = False
 
 
 def auto_feature_layers(count: int) -> tuple[int, ...]:
@@ -245,7 +248,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
                                intermediate_size=budget.drafter_width,
                                feature_layers=None if start else budget.feature_layers,
                                provenance=provenance, init=start, loss_on=budget.loss_on,
-                               precision=budget.precision, unroll=budget.unroll)
+                               precision=budget.precision, unroll=budget.unroll, embed_norm=budget.embed_norm)
         return {"outputs": ["drafter"]}
 
     def frequency() -> dict[str, Any]:
