@@ -45,7 +45,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     target = load_target(args.target).to(dtype=args.dtype)
     lean = target._lean_decoder()
-    layer = lean.layers[0]
     count = len(lean.layers) if args.from_memory else 1
     layers = target.decoder.layers
     shapes = {"qkv": [lean.layers[i].qkv_weight for i in range(count)],

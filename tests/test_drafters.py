@@ -138,7 +138,8 @@ def test_a_drafter_with_a_context_reads_only_the_prompts_last_positions():
                              draft={"mode": "chain", "depth": 3})
         sessions = []
         start = engine.source.start
-        engine.source.start = lambda capacity, start=start: sessions.append(start(capacity)) or sessions[-1]
+        engine.source.start = (lambda capacity, start=start, sessions=sessions:
+                               sessions.append(start(capacity)) or sessions[-1])
         result = engine.generate(prompt, max_new_tokens=24)
         assert result.token_ids == plain
         session = sessions[0]
