@@ -26,9 +26,7 @@ def fc_parts(drafter, embeddings, features):
     d = drafter.cfg.hidden_size
     weight = drafter.fc.weight.float()
     with torch.no_grad():
-        tokens = embeddings.float()
-        if drafter.embed_norm is not None:
-            tokens = drafter.embed_norm.float()(tokens)
+        tokens = drafter.token_input(embeddings.float()).float()
         feats = drafter.project(features.float()).float()
         token_part, feature_part = tokens @ weight[:, :d].T, feats @ weight[:, d:].T
     return float(token_part.pow(2).mean().sqrt()), float(feature_part.pow(2).mean().sqrt())

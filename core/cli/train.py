@@ -67,6 +67,11 @@ def _precision_and_weights(parser) -> None:
                         "sequences per pass of the target where it can")
 
 
+_EMBED_NORM_HELP = ("an RMS norm on the token embedding before the drafter's fc, as EAGLE-3 has (for a target whose "
+                    "embeddings are small beside its hidden state, as Qwen2.5's are); with --init, a drafter without "
+                    "one gets it at gains that keep what it computes")
+
+
 def register(sub) -> None:
     pr = command(sub, cmd_prepare, "prepare", help="build every artifact of a DynaSpec stack for a new target",
                  epilog=PREPARE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,9 +111,7 @@ def register(sub) -> None:
                     "beside the final hidden state; 'auto' (the default): a low and a middle one, layers "
                     "L//8 and L//2 of L; 'none': the final hidden state alone")
     pr.add_argument("--embed-norm", action="store_true",
-                    help="an RMS norm on the token embedding before the drafter's fc, as EAGLE-3 has (for a target whose "
-                    "embeddings are small beside its hidden state, as Qwen2.5's are); with --init, a drafter without "
-                    "one gets it at gains that keep what it computes")
+                    help=_EMBED_NORM_HELP)
     pr.add_argument("--init", metavar="DRAFTER", default=None,
                     help="start the drafter stage from this drafter (a built-in name or a folder) instead of "
                     "random weights: more training on more data; its feature layers are kept, and its width unless "
@@ -188,9 +191,7 @@ def register(sub) -> None:
                     "CPU computes it natively (2-3x faster prefills there), else float32")
     _precision_and_weights(tr)
     tr.add_argument("--embed-norm", action="store_true",
-                    help="an RMS norm on the token embedding before the drafter's fc, as EAGLE-3 has (for a target whose "
-                    "embeddings are small beside its hidden state, as Qwen2.5's are); with --init, a drafter without "
-                    "one gets it at gains that keep what it computes")
+                    help=_EMBED_NORM_HELP)
     tr.add_argument("--init", metavar="DRAFTER", default=None,
                     help="start from this drafter's weights (a folder, or a built-in name such as "
                     "gemma3-270m) instead of random ones: more training on more data; its architecture "

@@ -237,6 +237,11 @@ class Drafter(nn.Module):
         normed = [norm(part) for norm, part in zip(self.layer_norms, parts[:-1])]
         return self.fuse(torch.cat([*normed, parts[-1]], dim=-1))
 
+    def token_input(self, token_embeddings: torch.Tensor) -> torch.Tensor:
+        """The token embeddings as ``fc`` reads them: through the embedding norm where the drafter
+        has one (``DrafterConfig.embed_norm``), else as they are."""
+        return token_embeddings if self.embed_norm is None else self.embed_norm(token_embeddings)
+
     def __init__(self, cfg: DrafterConfig, meta: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.cfg = cfg
@@ -265,9 +270,7 @@ class Drafter(nn.Module):
         prediction of it) or [B, T, k*d] (fused target layers) -> predicted features [B, T, d]
         (``last``: [B, 1, d], the last position's only; every position still enters ``cache``)."""
         features = self.project(features)
-        if self.embed_norm is not None:
-            token_embeddings = self.embed_norm(token_embeddings)
-        x = self.fc(torch.cat([token_embeddings, features], dim=-1).to(self.fc.weight.dtype))
+        x = self.fc(torch.cat([self.token_input(token_embeddings), features], dim=-1).to(self.fc.weight.dtype))
         return self.norm(self.layer(x, positions, cache, mask, last=last))
 
     # -- persistence -------------------------------------------------------------------------------
