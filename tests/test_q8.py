@@ -45,7 +45,12 @@ def test_the_kernels_packing_is_quantize_rows_then_pack(shape, dtype, level, mod
     padded = torch.cat([q, q.new_zeros(q.shape[0], kernel._padded_in - shape[1])], dim=1)
     packed, tail = pack_tiles(padded, lanes, tile_rows)
     assert torch.equal(kernel._tiled(), packed) and torch.equal(kernel.tail, tail)
-    if mode == "int8":  # 8-bit activations read wide weights in column chunks: each chunk every tile's columns
+    if mode == "int8" and kernel.amx:  # AMX tiles: blocks of 64 outputs, 64 columns a step, 4 tiles of [16][16][4]
+        blocks, steps = -(-shape[0] // 64), kernel._padded_in // 64
+        rows = torch.cat([padded, padded.new_zeros(blocks * 64 - shape[0], kernel._padded_in)])
+        want = rows.view(blocks, 4, 16, steps, 16, 4).permute(0, 3, 1, 4, 2, 5).reshape(-1)
+        assert torch.equal(kernel.packed, want) and kernel._chunk == 0
+    elif mode == "int8":  # 8-bit activations read wide weights in column chunks: each chunk every tile's columns
         chunk = kernel._chunk
         tiles = packed.view(-1, kernel._padded_in // lanes, tile_rows, lanes)
         want = torch.cat([tiles[:, at:at + chunk // lanes].reshape(-1)
@@ -268,3 +273,58 @@ def test_int16_results_are_the_same_on_every_instruction_set():
     weight, bias, x = _case(37, 650, seed=5)
     outs = [q8.Int8WeightLinear(weight, bias, level=level, mode="int16")(x) for level in levels]
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+@pytest.mark.skipif(not q8.amx(), reason="no AMX tiles here (Intel Sapphire Rapids and later, Linux)")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES + [(130, 4864), (151, 896)])
+def test_amx_tiles_give_the_vnni_results_bit_for_bit(shape, dtype, monkeypatch):
+    # the same quantised rows and exact int32 sums, the same epilogue: every row count (one tile
+    # group is 16 rows) and thread count gives what the AVX-512 VNNI code gives
+    weight, bias, _ = _case(*shape, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    x = (torch.randn(40, shape[1], generator=gen) * 3).to(dtype)
+    monkeypatch.setenv("DYNASPEC_Q8_AMX", "0")
+    vnni = q8.Int8WeightLinear(weight, bias, mode="int8")
+    monkeypatch.setenv("DYNASPEC_Q8_AMX", "1")
+    tiles = q8.Int8WeightLinear(weight, bias, mode="int8")
+    assert tiles.amx and not vnni.amx
+    assert torch.equal(tiles.quantised_weight(), vnni.quantised_weight()) and torch.equal(tiles.row_sums, vnni.row_sums)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for m in (1, 2, 5, 15, 16, 17, 33, 40):
+                assert torch.equal(tiles(x[:m]), vnni(x[:m])), (m, t)
+    finally:
+        torch.set_num_threads(threads)
+    assert qz.probe_quantized(tiles, shape[1], weight) == "stock"
+
+
+@pytest.mark.skipif(not q8.amx(), reason="no AMX tiles here (Intel Sapphire Rapids and later, Linux)")
+def test_amx_packing_is_saved_and_refused_by_a_kernel_without_tiles(monkeypatch):
+    weight, bias, x = _case(100, 130, seed=7)
+    tiles = q8.Int8WeightLinear(weight, bias, mode="int8")
+    tensors, meta = tiles.state()
+    assert meta["amx"] is True
+    assert torch.equal(q8.Int8WeightLinear.from_state(tensors, meta)(x), tiles(x))
+    monkeypatch.setenv("DYNASPEC_Q8_AMX", "0")
+    with pytest.raises(ValueError, match="AMX"):
+        q8.Int8WeightLinear.from_state(tensors, meta)
+    vnni = q8.Int8WeightLinear(weight, bias, mode="int8")
+    monkeypatch.setenv("DYNASPEC_Q8_AMX", "1")
+    with pytest.raises(ValueError, match="AMX"):
+        q8.Int8WeightLinear.from_state(*vnni.state())
+
+
+@pytest.mark.skipif(not q8.amx(), reason="no AMX tiles here (Intel Sapphire Rapids and later, Linux)")
+def test_amx_int32_sums_reach_their_bound_without_overflow():
+    # tiles sum in int32: the longest rows they take keep 255 * 127 * K below 2^31; longer rows
+    # go to the VNNI code (int64 flushes)
+    k = q8._library().q8_amx_max_k() // 64 * 64
+    kernel = q8.Int8WeightLinear(torch.ones(3, k), torch.zeros(3), mode="int8")
+    assert kernel.amx
+    x = torch.ones(2, k)
+    assert torch.allclose(kernel(x), torch.full((2, 3), float(k)), rtol=1e-6, atol=0)
+    assert torch.allclose(kernel(-x), torch.full((2, 3), -float(k)), rtol=1e-6, atol=0)
+    assert not q8.Int8WeightLinear(torch.ones(3, k + 64), mode="int8").amx

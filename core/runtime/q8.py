@@ -6,7 +6,10 @@ few rows reads the weights once, and every result is computed by the same operat
 number of rows (see the C file): rows never depend on how many are computed together, by
 construction. Two modes (:data:`MODES`): activations in float32 with FMAs, or each activation row
 quantised to int16 with a scale of its own and integer dot products (AVX-512 VNNI or AVX2), whose
-sums are exact; the second is the default where it runs.
+sums are exact; the second is the default where it runs. ``int8`` activations (``weights =
+"w8a8"``) run on AMX tiles where the processor has them (Intel, Sapphire Rapids on; :func:`amx`):
+the same integer sums, so the same results bit for bit, with up to 16 rows for about the cost of
+one (the weights are packed for the tiles instead).
 
 The C file is compiled with the machine's C compiler (``$CC``, else ``cc``) for its own processor
 (``-march=native``) into the cache root, once per source, compiler and processor; the shared
@@ -107,10 +110,13 @@ def _library_for(level: str) -> ctypes.CDLL:
     lib.q8_linear_i16.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                   ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-    lib.q8_linear_u8.restype = None
-    lib.q8_linear_u8.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                 ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.q8_linear_u8.restype = lib.q8_linear_amx.restype = None
+    lib.q8_linear_u8.argtypes = lib.q8_linear_amx.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_void_p]
+    lib.q8_amx_available.restype = ctypes.c_int
+    lib.q8_amx_max_k.restype = ctypes.c_int64
     lib.q8_attend_vector.restype = ctypes.c_int
     lib.q8_attend.restype = ctypes.c_int
     lib.q8_attend.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 5, ctypes.c_void_p, ctypes.c_void_p,
@@ -233,6 +239,15 @@ def modes(level: str | None = None) -> tuple[str, ...]:
     return ("float",) + (("int16",) if lib.q8_int16_available() else ()) + (("int8",) if lib.q8_u8_available() else ())
 
 
+def amx(level: str | None = None) -> bool:
+    """Whether ``int8`` products run on AMX tiles here (Intel's TMUL, from Sapphire Rapids on): the
+    same results bit for bit as the AVX-512 VNNI code, with up to 16 rows for about the cost of one.
+    ``$DYNASPEC_Q8_AMX=0`` turns them off (to compare the two)."""
+    if os.environ.get("DYNASPEC_Q8_AMX", "1") == "0":
+        return False
+    return bool(_library(level).q8_amx_available())
+
+
 def default_mode(level: str | None = None) -> str:
     """The mode used when none is asked for: ``int16`` where AVX2 or AVX-512 VNNI exists, else
     ``float`` (both keep activations within rounding of float32; ``int8`` is asked for by name)."""
@@ -275,8 +290,11 @@ class Int8WeightLinear:
             # int8 mode: each row's sum of int8 weights, which takes the activations' offset out
             self.row_sums = (self.packed.view(-1, kv // lanes, tile_rows, lanes).sum((1, 3), dtype=torch.int32)
                              .reshape(-1)[:n].contiguous() if self.mode == "int8" else None)
-            self._chunk = self._lib.q8_u8_chunk() if self.mode == "int8" else 0
-            if self._chunk:
+            self.amx = self.mode == "int8" and amx(level) and kp <= self._lib.q8_amx_max_k()
+            self._chunk = self._lib.q8_u8_chunk() if self.mode == "int8" and not self.amx else 0
+            if self.amx:
+                self.packed = self._amx_packed(self._rowmajor(self.packed))
+            elif self._chunk:
                 self.packed = self._chunked(self.packed)
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
@@ -294,10 +312,37 @@ class Int8WeightLinear:
         body = packed.view(-(-self.out_features // tile_rows), -1, tile_rows, lanes)
         return torch.cat([body[:, at:at + n].reshape(-1) for at, n in self._chunk_steps()])
 
-    def _tiled(self) -> torch.Tensor:
-        """The packed weights as tiles of [steps][tile rows][lanes], whatever the chunking."""
+    def _rowmajor(self, tiled: torch.Tensor) -> torch.Tensor:
+        """The weights of an integer mode (no tail) as rows [N, Kp], from tiles of [steps][tile rows][lanes]."""
         lanes, tile_rows = self._layout
         tiles = -(-self.out_features // tile_rows)
+        rows = tiled.view(tiles, self._padded_in // lanes, tile_rows, lanes).transpose(1, 2)
+        return rows.reshape(tiles * tile_rows, self._padded_in)[:self.out_features]
+
+    def _amx_packed(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows [N, Kp] in the AMX kernel's layout (kernels/q8_linear.c): blocks of 64 outputs (N
+        padded with zero rows), each step of 64 columns as four tiles of [16 quads][16 outputs][4]."""
+        blocks = -(-self.out_features // 64)
+        padded = torch.zeros(blocks * 64, self._padded_in, dtype=torch.int8)
+        padded[:self.out_features] = rows
+        steps = self._padded_in // 64
+        return padded.view(blocks, 4, 16, steps, 16, 4).permute(0, 3, 1, 4, 2, 5).contiguous().reshape(-1)
+
+    def _amx_rows(self) -> torch.Tensor:
+        """The AMX layout's weights as rows [N, Kp] (the inverse of :meth:`_amx_packed`)."""
+        blocks, steps = -(-self.out_features // 64), self._padded_in // 64
+        body = self.packed.view(blocks, steps, 4, 16, 16, 4).permute(0, 2, 4, 1, 3, 5)
+        return body.reshape(blocks * 64, self._padded_in)[:self.out_features]
+
+    def _tiled(self) -> torch.Tensor:
+        """The packed weights as tiles of [steps][tile rows][lanes], whatever the chunking (or the
+        AMX layout)."""
+        lanes, tile_rows = self._layout
+        tiles = -(-self.out_features // tile_rows)
+        if self.amx:
+            rows = torch.zeros(tiles * tile_rows, self._padded_in, dtype=torch.int8)
+            rows[:self.out_features] = self._amx_rows()
+            return rows.view(tiles, tile_rows, -1, lanes).transpose(1, 2).contiguous().reshape(-1)
         parts, at = [], 0
         for _, n in self._chunk_steps():
             size = tiles * n * tile_rows * lanes
@@ -319,7 +364,8 @@ class Int8WeightLinear:
         if self.bias is not None:
             tensors["bias"] = self.bias
         meta = {"mode": self.mode, "out_features": self.out_features, "in_features": self.in_features,
-                "padded_in": self._padded_in, "layout": list(self._layout), "chunk": self._chunk}
+                "padded_in": self._padded_in, "layout": list(self._layout), "chunk": self._chunk,
+                "amx": self.amx}
         return tensors, meta
 
     @classmethod
@@ -337,14 +383,19 @@ class Int8WeightLinear:
         if tuple(meta["layout"]) != layout:
             raise ValueError(f"packed for lanes and tile rows {tuple(meta['layout'])}, this kernel uses {layout}")
         self._layout = layout
-        self._chunk = self._lib.q8_u8_chunk() if self.mode == "int8" else 0
+        self.amx = self.mode == "int8" and amx(level) and int(meta["padded_in"]) <= self._lib.q8_amx_max_k()
+        if bool(meta.get("amx", False)) != self.amx:
+            raise ValueError(f"packed {'for' if meta.get('amx') else 'without'} AMX tiles, this kernel reads "
+                             f"{'them' if self.amx else 'none'}")
+        self._chunk = self._lib.q8_u8_chunk() if self.mode == "int8" and not self.amx else 0
         if int(meta.get("chunk", 0)) != self._chunk:
             raise ValueError(f"packed in column chunks of {meta.get('chunk', 0)}, this kernel reads {self._chunk}")
         self.out_features, self.in_features = int(meta["out_features"]), int(meta["in_features"])
         self._padded_in = int(meta["padded_in"])
         kv = self._padded_in - self._padded_in % lanes
         tiles = -(-self.out_features // layout[1])
-        expected = {"packed": ((tiles * layout[1] * kv,), torch.int8),
+        packed_size = -(-self.out_features // 64) * 64 * kv if self.amx else tiles * layout[1] * kv
+        expected = {"packed": ((packed_size,), torch.int8),
                     "tail": ((self.out_features, self._padded_in - kv), torch.int8),
                     "scale": ((self.out_features,), torch.float32)}
         if self.mode == "int8":
@@ -362,6 +413,8 @@ class Int8WeightLinear:
 
     def quantised_weight(self) -> torch.Tensor:
         """The weight as the kernel sees it, dequantised (float32): for quality checks."""
+        if self.amx:
+            return self._amx_rows()[:, :self.in_features].float() * self.scale[:, None]
         lanes, tile_rows = self._layout
         n, k = self.out_features, self._padded_in
         kv = k - k % lanes
@@ -396,9 +449,10 @@ class Int8WeightLinear:
                 bf16 = int(rows.dtype == torch.bfloat16)
                 xq, sx = self._scratch_for(m)
                 if self.mode == "int8":
-                    self._lib.q8_linear_u8(rows.data_ptr(), bf16, m, self.in_features, self._padded_in,
-                                           self.packed.data_ptr(), self.row_sums.data_ptr(), self.scale.data_ptr(),
-                                           bias, self.out_features, out.data_ptr(), threads, xq, sx)
+                    kernel = self._lib.q8_linear_amx if self.amx else self._lib.q8_linear_u8
+                    kernel(rows.data_ptr(), bf16, m, self.in_features, self._padded_in, self.packed.data_ptr(),
+                           self.row_sums.data_ptr(), self.scale.data_ptr(), bias, self.out_features, out.data_ptr(),
+                           threads, xq, sx)
                 else:
                     self._lib.q8_linear_i16(rows.data_ptr(), bf16, m, self.in_features, self._padded_in,
                                             self.packed.data_ptr(), self.scale.data_ptr(), bias, self.out_features,

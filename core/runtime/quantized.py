@@ -335,8 +335,10 @@ def quantized_linear(kind: str, weight: torch.Tensor, bias: torch.Tensor | None 
         fn = weight.kernel
     else:
         fn = make_kernel(kind, weight, bias)
+    # the code path a kernel takes is part of what is probed: AMX tiles (q8) are remembered apart
+    path = ["amx"] if getattr(fn, "amx", False) else []
     key = "|".join([_machine(), f"quantized{PROBE_VERSION}", kind, "x".join(map(str, weight.shape)),
-                    str(bias is not None), f"rows{rows}"])
+                    str(bias is not None), f"rows{rows}", *path])
     verdict = read_json(verdicts_file()).get(key)
     if verdict is None:
         verdict = probe_quantized(fn, weight.shape[1], weight, rows)

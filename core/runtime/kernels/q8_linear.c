@@ -641,6 +641,127 @@ void q8_linear_u8(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, con
     for (int t = 0; t < threads; t++)
         blocks_u8(xq, sx, M, Kp, packed, wsum, scale, bias, N, y, blocks * t / threads, blocks * (t + 1) / threads);
 }
+
+/* ---- int8 activations on AMX tiles (Intel's TMUL: tdpbusd) -----------------------------------------
+ * The same products as q8_linear_u8, and the same results bit for bit: the same quantised rows, the
+ * same u8 x s8 products summed exactly in int32 (any order gives the same integer; a tile's int32
+ * sums cannot overflow while Kp * 255 * 127 < 2^31, which q8_amx_max_k bounds), then the same
+ * epilogue. One tdpbusd multiplies up to 16 activation rows by a 64 x 16 tile of weights, so up to
+ * 16 rows cost about what one costs: the weights' bytes. The weights are packed for it in blocks of
+ * 64 outputs: block b, step s (64 columns) holds four 1 KB tiles, one per 16 outputs, each
+ * [16 column quads][16 outputs][4 columns] (the layout tdpbusd's second operand reads), so a block
+ * streams its weights in one sequential pass. N is padded to a multiple of 64 with zero rows. */
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512DQ__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_BLOCK 64
+#define AMX_ROWS 16
+
+/* the process's permission to use the tile registers (Linux asks for it once per process) */
+int q8_amx_available(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+int64_t q8_amx_max_k(void) { return (int64_t)2147483647 / (255 * 127); }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) amx_config;
+
+/* tiles 0-3: the sums of 16 outputs each (mb rows of 16 int32); 4: mb activation rows of 64 bytes;
+ * 5-7: weight tiles (16 quads of 16 outputs) */
+static void amx_configure(int mb) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 5; t++) { cfg.rows[t] = (uint8_t)mb; cfg.colsb[t] = 64; }
+    for (int t = 5; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
+/* y rows m0..m0+mb of outputs n0..n0+64 (those below N) from the int32 sums s [mb][64], as
+ * rows_block_u8 computes them: (float)((double)(dot - 128 * wsum) * (double)sx * (double)scale) + bias */
+static void amx_finish(const int32_t *s, const float *sx, int64_t m0, int mb, const int32_t *wsum,
+                       const float *scale, const float *bias, int64_t N, float *y, int64_t n0) {
+    for (int64_t j = 0; j < AMX_BLOCK; j += 8) {
+        const int64_t n = n0 + j;
+        if (n >= N) break;
+        const __mmask8 live = (__mmask8)(N - n >= 8 ? 0xff : (1u << (N - n)) - 1u);
+        const __m512i offset = _mm512_slli_epi64(_mm512_cvtepi32_epi64(_mm256_maskz_loadu_epi32(live, wsum + n)), 7);
+        const __m512d sw = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(live, scale + n));
+        const __m256 bv = bias ? _mm256_maskz_loadu_ps(live, bias + n) : _mm256_setzero_ps();
+        for (int i = 0; i < mb; i++) {
+            const __m512i dot = _mm512_cvtepi32_epi64(_mm256_loadu_si256((const __m256i *)(s + i * AMX_BLOCK + j)));
+            const __m512d d = _mm512_cvtepi64_pd(_mm512_sub_epi64(dot, offset));
+            __m256 v = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_mul_pd(d, _mm512_set1_pd((double)sx[m0 + i])), sw));
+            if (bias) v = _mm256_add_ps(v, bv);
+            _mm256_mask_storeu_ps(y + (m0 + i) * N + n, live, v);
+        }
+    }
+}
+
+static void blocks_amx(const uint8_t *xq, const float *sx, int64_t M, int64_t Kp, const int8_t *packed,
+                       const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y,
+                       int64_t b0, int64_t b1) {
+    int32_t sums[AMX_ROWS * AMX_BLOCK];
+    const int64_t steps = Kp / 64;
+    int configured = 0;
+    for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
+        const int mb = (int)(M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS);
+        if (mb != configured) { amx_configure(mb); configured = mb; }
+        const uint8_t *x = xq + m0 * Kp;
+        for (int64_t b = b0; b < b1; b++) {
+            const int8_t *p = packed + b * AMX_BLOCK * Kp;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t s = 0; s < steps; s++, p += 4 * 1024) {
+                _tile_loadd(4, x + s * 64, Kp);
+                _tile_loadd(5, p, 64);
+                _tile_dpbusd(0, 4, 5);
+                _tile_loadd(6, p + 1024, 64);
+                _tile_dpbusd(1, 4, 6);
+                _tile_loadd(7, p + 2048, 64);
+                _tile_dpbusd(2, 4, 7);
+                _tile_loadd(5, p + 3072, 64);
+                _tile_dpbusd(3, 4, 5);
+            }
+            _tile_stored(0, sums, AMX_BLOCK * 4);
+            _tile_stored(1, sums + 16, AMX_BLOCK * 4);
+            _tile_stored(2, sums + 32, AMX_BLOCK * 4);
+            _tile_stored(3, sums + 48, AMX_BLOCK * 4);
+            amx_finish(sums, sx, m0, mb, wsum, scale, bias, N, y, b * AMX_BLOCK);
+        }
+    }
+    _tile_release();
+}
+
+/* as q8_linear_u8, with the weights packed for AMX (above) */
+void q8_linear_amx(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, const int8_t *packed,
+                   const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y, int threads,
+                   uint8_t *xq, float *sx) {
+    for (int64_t m = 0; m < M; m++)
+        quantize_row_u8((const char *)x + (size_t)(m * K) * (bf16 ? 2 : 4), bf16, K, Kp, xq + m * Kp, sx + m);
+    const int64_t blocks = (N + AMX_BLOCK - 1) / AMX_BLOCK;
+    if (threads <= 1) {
+        blocks_amx(xq, sx, M, Kp, packed, wsum, scale, bias, N, y, 0, blocks);
+        return;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int t = 0; t < threads; t++)
+        blocks_amx(xq, sx, M, Kp, packed, wsum, scale, bias, N, y, blocks * t / threads, blocks * (t + 1) / threads);
+}
+#else
+int q8_amx_available(void) { return 0; }
+int64_t q8_amx_max_k(void) { return 0; }
+void q8_linear_amx(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, const int8_t *packed,
+                   const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y, int threads,
+                   uint8_t *xq, float *sx) {
+    (void)x; (void)bf16; (void)M; (void)K; (void)Kp; (void)packed; (void)wsum; (void)scale; (void)bias; (void)N;
+    (void)y; (void)threads; (void)xq; (void)sx;
+}
+#endif
 #else
 int q8_u8_available(void) { return 0; }
 int q8_u8_lanes(void) { return 0; }
@@ -648,6 +769,14 @@ int q8_u8_chunk(void) { return 0; }
 void q8_linear_u8(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, const int8_t *packed,
                   const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y, int threads,
                   uint8_t *xq, float *sx) {
+    (void)x; (void)bf16; (void)M; (void)K; (void)Kp; (void)packed; (void)wsum; (void)scale; (void)bias; (void)N;
+    (void)y; (void)threads; (void)xq; (void)sx;
+}
+int q8_amx_available(void) { return 0; }
+int64_t q8_amx_max_k(void) { return 0; }
+void q8_linear_amx(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, const int8_t *packed,
+                   const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y, int threads,
+                   uint8_t *xq, float *sx) {
     (void)x; (void)bf16; (void)M; (void)K; (void)Kp; (void)packed; (void)wsum; (void)scale; (void)bias; (void)N;
     (void)y; (void)threads; (void)xq; (void)sx;
 }
