@@ -115,7 +115,7 @@ def _library_for(level: str) -> ctypes.CDLL:
         ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
         ctypes.c_void_p, ctypes.c_void_p]
-    lib.q8_amx_available.restype = ctypes.c_int
+    lib.q8_amx_available.restype = lib.q8_amx_rows.restype = ctypes.c_int
     lib.q8_amx_max_k.restype = ctypes.c_int64
     lib.q8_attend_vector.restype = ctypes.c_int
     lib.q8_attend.restype = ctypes.c_int
@@ -429,7 +429,9 @@ class Int8WeightLinear:
         key = (m, threading.get_ident())
         found = self._scratch.get(key)
         if found is None:
-            xq = torch.empty(m, self._padded_in, dtype=torch.uint8 if self.mode == "int8" else torch.int16)
+            # AMX tiles read whole groups of 16 rows (those past m are zeros, their sums dropped)
+            rows = -(-m // self._lib.q8_amx_rows()) * self._lib.q8_amx_rows() if self.amx else m
+            xq = torch.zeros(rows, self._padded_in, dtype=torch.uint8 if self.mode == "int8" else torch.int16)
             sx = torch.empty(m, dtype=torch.float32)
             found = self._scratch[key] = (xq, sx, xq.data_ptr(), sx.data_ptr())
         return found[2], found[3]

@@ -664,6 +664,7 @@ int q8_amx_available(void) {
     return state;
 }
 int64_t q8_amx_max_k(void) { return (int64_t)2147483647 / (255 * 127); }
+int q8_amx_rows(void) { return AMX_ROWS; }
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -703,17 +704,20 @@ static void amx_finish(const int32_t *s, const float *sx, int64_t m0, int mb, co
     }
 }
 
+/* Tiles are always configured for 16 activation rows; the last group of a call may hold fewer, and
+ * reads the rows after them from the scratch buffer, which the caller sizes to a whole number of
+ * groups (their sums are not stored). Each block of weights is read from memory once, for every
+ * group of rows: the other groups find it in the cache. */
 static void blocks_amx(const uint8_t *xq, const float *sx, int64_t M, int64_t Kp, const int8_t *packed,
                        const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y,
                        int64_t b0, int64_t b1) {
     int32_t sums[AMX_ROWS * AMX_BLOCK];
     const int64_t steps = Kp / 64;
-    int configured = 0;
-    for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
-        const int mb = (int)(M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS);
-        if (mb != configured) { amx_configure(mb); configured = mb; }
-        const uint8_t *x = xq + m0 * Kp;
-        for (int64_t b = b0; b < b1; b++) {
+    amx_configure(AMX_ROWS);
+    for (int64_t b = b0; b < b1; b++) {
+        for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
+            const int mb = (int)(M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS);
+            const uint8_t *x = xq + m0 * Kp;
             const int8_t *p = packed + b * AMX_BLOCK * Kp;
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int64_t s = 0; s < steps; s++, p += 4 * 1024) {
@@ -737,7 +741,7 @@ static void blocks_amx(const uint8_t *xq, const float *sx, int64_t M, int64_t Kp
     _tile_release();
 }
 
-/* as q8_linear_u8, with the weights packed for AMX (above) */
+/* as q8_linear_u8, with the weights packed for AMX (above); xq holds a whole number of 16-row groups */
 void q8_linear_amx(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, const int8_t *packed,
                    const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y, int threads,
                    uint8_t *xq, float *sx) {
@@ -755,6 +759,7 @@ void q8_linear_amx(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, co
 #else
 int q8_amx_available(void) { return 0; }
 int64_t q8_amx_max_k(void) { return 0; }
+int q8_amx_rows(void) { return 1; }
 void q8_linear_amx(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, const int8_t *packed,
                    const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y, int threads,
                    uint8_t *xq, float *sx) {
@@ -774,6 +779,7 @@ void q8_linear_u8(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, con
 }
 int q8_amx_available(void) { return 0; }
 int64_t q8_amx_max_k(void) { return 0; }
+int q8_amx_rows(void) { return 1; }
 void q8_linear_amx(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, const int8_t *packed,
                    const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y, int threads,
                    uint8_t *xq, float *sx) {
