@@ -111,9 +111,10 @@ def test_compiled_attention_rows_equal_plain_steps_and_torch(dtype, tmp_path, mo
     torch.testing.assert_close(one.float(), torch_rows.float(), rtol=tol, atol=tol)
 
 
-def _tree_rows_and_lines(tgt: TargetModel, ids: torch.Tensor, past: int):
-    """A draft tree of 8 nodes (lines up to 5 rows deep) verified after a prefill of ``past``
-    tokens, and for each node the rows of plain steps along its line from the same prefill."""
+def _tree_rows_and_lines(tgt: TargetModel, ids: torch.Tensor, past: int, more: int = 0):
+    """A draft tree of 8 nodes (lines up to 5 rows deep; ``more`` nodes more, in lines of their
+    own) verified after a prefill of ``past`` tokens, and for each node the rows of plain steps
+    along its line from the same prefill."""
     from dynaspec.runtime.tree import DraftTree
 
     tree = DraftTree.with_root(int(ids[past]))
@@ -123,6 +124,8 @@ def _tree_rows_and_lines(tgt: TargetModel, ids: torch.Tensor, past: int):
     e = tree.add(c, 15, -0.5)
     tree.add(a, 16, -0.6)
     tree.add(e, 17, -0.7)
+    for i in range(more):
+        tree.add(1 + i % 7, 20 + i, -0.8 - i / 10)
     cache = tgt.new_cache(4)
     tgt.forward(ids[:past], torch.arange(past), cache)
     rows = tgt.forward(torch.tensor(tree.tokens), past + 1 + torch.tensor(tree.depths), cache,
@@ -162,6 +165,23 @@ def test_lean_tree_rows_equal_the_plain_steps_along_their_lines(case, dtype, tmp
     ids = torch.randint(3, 100, (12,), generator=torch.Generator().manual_seed(2))
     rows, plain = _tree_rows_and_lines(tgt, ids, 9)
     assert torch.equal(rows, plain)
+
+
+def test_quantised_targets_guarantee_trees_of_15_drafted_tokens(tmp_path, monkeypatch):
+    """The quantised kernels' probe covers every row count to 16, the head's too: a tree of 15
+    drafted tokens (16 rows, one AMX tile group where the processor has them) is verified under the
+    guarantee, each row equal to the plain step along its line."""
+    from dynaspec.runtime import q8, quantized
+
+    monkeypatch.setenv("DYNASPEC_CACHE_DIR", str(tmp_path))
+    if q8.available() is not None or not q8.attention_available(64) or "int8" not in q8.modes():
+        pytest.skip("the compiled attention runs vectorised with AVX-512 only (w8a8: with VNNI)")
+    tgt = _qwen2_target(hidden=256, heads=4).to(dtype=torch.bfloat16).use_weights("w8a8")
+    tgt.make_batch_invariant()
+    assert tgt.probed_rows == tgt.max_head_rows == quantized.PROBE_ROWS == 16
+    ids = torch.randint(3, 100, (12,), generator=torch.Generator().manual_seed(3))
+    rows, plain = _tree_rows_and_lines(tgt, ids, 9, more=8)
+    assert rows.shape[0] == 16 and torch.equal(rows, plain)
 
 
 def test_compiled_attention_reads_a_line_as_if_it_followed_the_context():

@@ -113,6 +113,7 @@ def probe(target) -> dict[str, str]:
     With quantised weights the lean forward and the head use those kernels, probed the same way
     (:func:`dynaspec.runtime.quantized.quantized_linear`)."""
     if target.batch_invariance is None:
+        from dynaspec.runtime import quantized
         from dynaspec.runtime.batch_invariance import (
             install_rowwise_attention,
             invariant_linear,
@@ -140,9 +141,12 @@ def probe(target) -> dict[str, str]:
             target._relaxed_head = None if verdict.startswith("pad") else target._head
             target._certify = certificate(target, verdict)
         else:
+            # the quantised kernels' probe covers every row count up to its most (16): trees of up
+            # to 15 drafted tokens and batched passes share one head product under the guarantee
             verdict, target._head, target._relaxed_head = quantized_linear(
                 head_kind, target.packed_head or target.lm_head_weight, target.lm_head_bias,
-                rows=max(HEAD_PROBE_ROWS))
+                rows=quantized.PROBE_ROWS)
+            target.max_head_rows = quantized.PROBE_ROWS
             target._certify = None
         report[head_name] = verdict
         target._rowwise = install_rowwise_attention(target.model) if target.model is not None else False
@@ -167,7 +171,7 @@ def probe(target) -> dict[str, str]:
             target._lean = target._build_lean(linear, compiled=target.weights in ("int8", "w8a8"))
             report["attention"] = ("row-wise for chains and trees" + (", compiled kernel"
                                                                         if target._lean._c_attend is not None else ""))
-        from dynaspec.runtime import batch_invariance, quantized
+        from dynaspec.runtime import batch_invariance
 
         # the rows one pass of several sequences computes: what the probe of its kernels covered
         # (the quantised kernels' probe: every count up to its most; the others': the counts listed)
@@ -176,7 +180,8 @@ def probe(target) -> dict[str, str]:
         # every row count from 1 to this one is probed for the body and the head: the longest chain
         # (plus its root) a verification can hold under the guarantee
         body_rows = target.max_pass_rows if body_kind is not None else _contiguous(batch_invariance.PROBE_ROWS)
-        target.probed_rows = min(body_rows, _contiguous(HEAD_PROBE_ROWS))
+        target.probed_rows = min(body_rows, target.max_head_rows if head_kind is not None
+                                 else _contiguous(HEAD_PROBE_ROWS))
         target.batch_invariance = report
     return target.batch_invariance
 
