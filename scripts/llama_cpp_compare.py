@@ -40,9 +40,10 @@ _EVAL = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens.*?\n.*?ev
                    re.S)
 
 
-def build(folder: Path, jobs: int) -> Path:
+def build(folder: Path, jobs: int, flags: str = "", name: str = "build") -> Path:
     """Download the llama-cpp-python sdist into ``folder`` and build ``llama-completion`` from the
-    llama.cpp it vendors (cmake, native CPU flags); returns the binary."""
+    llama.cpp it vendors (cmake, native CPU flags, then ``flags`` for C and C++, in the build folder
+    ``name``); returns the binary."""
     folder.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-d", str(folder),
                     "llama-cpp-python"], check=True)
@@ -52,11 +53,13 @@ def build(folder: Path, jobs: int) -> Path:
         with tarfile.open(sdist) as tar:
             tar.extractall(folder, filter="data")
     llama = source / "vendor" / "llama.cpp"
-    subprocess.run(["cmake", "-S", str(llama), "-B", str(llama / "build"), "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release"], check=True)
-    subprocess.run(["cmake", "--build", str(llama / "build"), "-j", str(jobs), "--target", "llama-completion"],
+    extra = [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"] if flags else []
+    subprocess.run(["cmake", "-S", str(llama), "-B", str(llama / name), "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release", *extra],
                    check=True)
-    return llama / "build" / "bin" / "llama-completion"
+    subprocess.run(["cmake", "--build", str(llama / name), "-j", str(jobs), "--target", "llama-completion"],
+                   check=True)
+    return llama / name / "bin" / "llama-completion"
 
 
 def gguf_file(target: str, folder: Path) -> Path:
@@ -133,6 +136,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build", type=Path, help="download and build llama.cpp into this folder, print the binary")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="build jobs")
+    parser.add_argument("--build-flags", default="",
+                        help="C and C++ flags added to the native ones, built into a folder of their own "
+                             "(where llama.cpp's AMX kernels stop on an illegal instruction, as the sdist "
+                             "0.3.36's did on an Intel Xeon with AMX in session 31: "
+                             "'-mno-amx-tile -mno-amx-int8 -mno-amx-bf16')")
     parser.add_argument("--llama-bin", help="the llama-completion binary")
     parser.add_argument("--gguf-dir", type=Path, default=Path("llamacpp-models"), help="where GGUFs are assembled")
     parser.add_argument("--target", default="gemma3-270m")
@@ -148,7 +156,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json-out")
     args = parser.parse_args(argv)
     if args.build:
-        print(build(args.build, args.jobs))
+        print(build(args.build, args.jobs, args.build_flags, "build-flags" if args.build_flags else "build"))
         return 0
     if not args.llama_bin:
         parser.error("--llama-bin (or --build first)")
