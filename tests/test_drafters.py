@@ -305,6 +305,19 @@ def test_builtin_stack_with_prompt_lookup_resolves(registry):
     registry.check_stack(stack)
 
 
+def test_builtin_tree_stack_is_the_default_with_a_tree_the_probe_covers(registry):
+    # default-tree: default's drafters, unmerged (prompt lookup's chain or the drafter's tree), a
+    # tree whose rows (8 drafted + the root) every quantised probe covers (16)
+    from dynaspec.runtime import quantized
+
+    tree, default = resolve_stack("default-tree", registry=registry), resolve_stack("default", registry=registry)
+    assert tree.target == default.target and tree.shortlister == default.shortlister
+    assert tree.draft.mode == "tree" and tree.draft.total_tokens + 1 <= quantized.PROBE_ROWS
+    assert tree.draft.adaptive and tree.draft.planner == "cost" and tree.exact == "required"
+    assert tree.drafter.name == "composite" and dict(tree.drafter.params)["merge"] is False
+    registry.check_stack(tree)
+
+
 # -- the gate: plain steps while drafting does not pay ----------------------------------------------
 def test_gate_falls_back_to_plain_steps_and_looks_again():
     from dynaspec.runtime.gate import FIRST_BACKOFF, MAX_BACKOFF, WARMUP, DraftGate, PlainCost
