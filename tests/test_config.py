@@ -13,7 +13,7 @@ from dynaspec.runtime.stacks import resolve_stack
     ("depth", 0, r"draft.depth = 0 is invalid: must be an integer >= 1"),
     ("topk", -2, r"draft.topk = -2 is invalid"),
     ("total_tokens", 1.5, r"draft.total_tokens = 1.5 is invalid"),
-    ("mode", "forest", r"draft.mode = 'forest' is invalid: must be 'chain' or 'tree'"),
+    ("mode", "forest", r"draft.mode = 'forest' is invalid: must be 'chain', 'tree' or 'auto'"),
 ])
 def test_draft_validation(field, value, message):
     with pytest.raises(ConfigError, match=message):

@@ -234,3 +234,43 @@ def test_auto_dtype_follows_the_kernels_that_will_run(monkeypatch, flags, capabi
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
     assert target_mod.native_bf16("cpu") is native
     assert target_mod.resolve_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
+
+
+def test_auto_drafts_a_tree_where_rows_are_cheap_and_the_chain_elsewhere(monkeypatch):
+    """draft.mode = "auto": the engine drafts the stack's tree where its target verifies a tree's
+    rows for about the cost of one (numerics.cheap_rows), else the chain of the stack's depth;
+    greedy output is the target's either way."""
+    from dynaspec.runtime import numerics
+
+    registry, drafter = builtin_registry(), trained_drafter("llama")
+    draft = {"mode": "auto", "depth": 3, "topk": 2, "total_tokens": 4}
+    assert stack_from_mapping({"name": "s", "target": "tiny-llama", "drafter": "in-memory",
+                               "draft": draft}).exact == "required"
+    prompt = [5, 17, 42, 8, 99, 3]
+    for cheap, want in ((False, ("chain", 1, 3)), (True, ("tree", 2, 4))):
+        monkeypatch.setattr(numerics, "cheap_rows", lambda target, cheap=cheap: cheap)
+        engine = make_engine("llama", drafter, registry, draft=draft)
+        d = engine.stack.draft
+        assert (d.mode, d.topk, d.total_tokens) == want and d.depth == 3
+        assert engine.source.chains_only == (not cheap)
+        assert engine.exactness == "guaranteed", engine.exactness_reason
+        plain = Engine(stack_from_mapping({"name": "p", "target": "tiny-llama"}), engine.target, None,
+                       registry=registry)
+        got = engine.generate(prompt, max_new_tokens=12)
+        assert got.stats.exactness == "guaranteed"
+        assert got.token_ids == plain.generate(prompt, max_new_tokens=12).token_ids
+
+
+def test_cheap_rows_only_for_the_quantised_kernel_on_amx(monkeypatch):
+    from dynaspec.runtime import numerics, q8
+
+    float_target = tiny_target("llama")
+    float_target.make_batch_invariant()
+    assert not numerics.cheap_rows(float_target)  # float products: rows cost what they cost
+    fake = types.SimpleNamespace(forward_kind="lean", weights="w8a8", w8a8_int16=(), device=torch.device("cpu"))
+    monkeypatch.setattr(q8, "amx", lambda level=None: False)
+    assert not numerics.cheap_rows(fake)
+    monkeypatch.setattr(q8, "amx", lambda level=None: True)
+    assert numerics.cheap_rows(fake) == (q8.available() is None)
+    assert not numerics.cheap_rows(types.SimpleNamespace(**{**vars(fake), "w8a8_int16": ("lm_head",)}))
+    assert not numerics.cheap_rows(types.SimpleNamespace(**{**vars(fake), "forward_kind": "generic"}))

@@ -80,7 +80,10 @@ def _positive_int(field: str):
 
 @attrs.frozen
 class DraftConfig:
-    """Shape of the draft: a chain of ``depth`` tokens, or an EAGLE-2 dynamic tree."""
+    """Shape of the draft: a chain of ``depth`` tokens, or an EAGLE-2 dynamic tree, or "auto": the
+    tree where the target verifies the tree's rows for about the cost of one (its quantised kernel
+    on AMX tiles, :func:`dynaspec.runtime.numerics.cheap_rows`), else the chain of ``depth`` (the
+    engine decides, once it has set up its target)."""
 
     mode: str = attrs.field(default="tree")
     depth: int = attrs.field(default=6, validator=_positive_int("draft"))
@@ -127,7 +130,11 @@ class DraftConfig:
 
     @mode.validator
     def _mode(self, _attribute, value):
-        _check("draft.mode", value in ("chain", "tree"), value, "must be 'chain' or 'tree'")
+        _check("draft.mode", value in ("chain", "tree", "auto"), value, "must be 'chain', 'tree' or 'auto'")
+
+    def as_chain(self) -> "DraftConfig":
+        """The chain of ``depth`` this draft stands for (one token a step, ``depth`` in all)."""
+        return attrs.evolve(self, mode="chain", topk=1, total_tokens=self.depth)
 
     @router_overlap.validator
     def _router_overlap(self, _attribute, value):
@@ -329,9 +336,11 @@ def stack_from_mapping(data: Mapping[str, Any], *, source: str = "stack") -> Sta
         tables[key] = cls(**table)
     draft, decode = tables["draft"], tables["decode"]
     if draft.mode == "chain":
-        draft = attrs.evolve(draft, topk=1, total_tokens=draft.depth)
+        draft = draft.as_chain()
     if "exact" not in data:  # a chain is required to be exact; a tree is where the target's forward allows
-        data["exact"] = "required" if draft.mode == "chain" or draft.topk == 1 or drafter is None else "observed"
+        # ("auto" drafts a tree only where the guarantee covers it)
+        data["exact"] = ("required" if draft.mode in ("chain", "auto") or draft.topk == 1 or drafter is None
+                         else "observed")
     return StackConfig(
         name=data["name"], target=data["target"], drafter=drafter,
         description=str(data.get("description", "")),

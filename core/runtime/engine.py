@@ -111,11 +111,15 @@ class Engine:
                  registry: Registry | None = None, models: dict | None = None) -> None:
         """``drafter``: a drafter model already loaded, used by the stack's trained drafter instead of
         its artifact; ``models``: drafter models shared with other engines (see :meth:`from_stacks`)."""
-        self.stack = stack
         self.target = target
         self.registry = registry or default_registry()
         # the numerics are set up here whoever built the target: the guarantee is never skipped
         numerics.set_up(target, stack)
+        if stack.draft.mode == "auto":  # a tree where its rows cost about one, else the chain
+            tree = numerics.cheap_rows(target)
+            stack = attrs.evolve(stack, draft=attrs.evolve(stack.draft, mode="tree") if tree
+                                 else stack.draft.as_chain())
+        self.stack = stack
         self.ctx = BuildContext(
             vocab_size=target.vocab_size, hidden_size=target.hidden_size,
             lm_head_weight=target.lm_head_weight, special_token_ids=target.special_token_ids,

@@ -186,6 +186,20 @@ def probe(target) -> dict[str, str]:
     return target.batch_invariance
 
 
+def cheap_rows(target) -> bool:
+    """Whether ``target``, set up, verifies a draft tree's rows (up to 16) for about the cost of one
+    row: its lean forward on the quantised kernel with 8-bit activations on AMX tiles (a pass of 8
+    rows then costs 1.18 one-row passes, against 1.57 on AVX-512 VNNI; docs/results.md, session 31).
+    What ``draft.mode = "auto"`` drafts a tree on."""
+    if getattr(target, "forward_kind", None) != "lean" or getattr(target, "weights", None) != "w8a8":
+        return False
+    if "lm_head" in getattr(target, "w8a8_int16", ()):
+        return False
+    from dynaspec.runtime import q8
+
+    return q8.available(target.device) is None and q8.amx()
+
+
 def set_up(target, stack) -> None:
     """The numerics of ``target`` for ``stack``: its weights setting, then the probe (once per
     target). A target already probed must have the stack's weights."""
