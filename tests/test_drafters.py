@@ -305,17 +305,17 @@ def test_builtin_stack_with_prompt_lookup_resolves(registry):
     registry.check_stack(stack)
 
 
-def test_builtin_tree_stack_is_the_default_with_a_tree_the_probe_covers(registry):
-    # default-tree: default's drafters, unmerged (prompt lookup's chain or the drafter's tree), a
-    # tree whose rows (8 drafted + the root) every quantised probe covers (16)
+def test_default_drafts_a_tree_where_rows_are_cheap_else_its_chain(registry):
+    # default: draft.mode = "auto", a tree of up to 8 drafted tokens (8 + the root within the 16
+    # rows every quantised probe covers) or the chain of 5; prompt lookup's chain or the drafter's
+    # tree, never merged
     from dynaspec.runtime import quantized
 
-    tree, default = resolve_stack("default-tree", registry=registry), resolve_stack("default", registry=registry)
-    assert tree.target == default.target and tree.shortlister == default.shortlister
-    assert tree.draft.mode == "tree" and tree.draft.total_tokens + 1 <= quantized.PROBE_ROWS
-    assert tree.draft.adaptive and tree.draft.planner == "cost" and tree.exact == "required"
-    assert tree.drafter.name == "composite" and dict(tree.drafter.params)["merge"] is False
-    registry.check_stack(tree)
+    stack = resolve_stack("default", registry=registry)
+    assert stack.draft.mode == "auto" and stack.draft.total_tokens + 1 <= quantized.PROBE_ROWS
+    assert (stack.draft.depth, stack.draft.topk, stack.draft.min_confidence) == (5, 3, 0.1)
+    assert stack.draft.as_chain().total_tokens == 5 and stack.exact == "required"
+    assert dict(stack.drafter.params)["merge"] is False
 
 
 # -- the gate: plain steps while drafting does not pay ----------------------------------------------
