@@ -126,6 +126,18 @@ def test_a_tree_cut_to_its_first_positions():
     _ = b
 
 
+def test_a_tree_cut_to_its_first_line():
+    tree = DraftTree.with_root(1)
+    a = tree.add(0, 5, -0.1)
+    tree.add(0, 6, -0.5)
+    c = tree.add(a, 7, -0.2)
+    tree.add(a, 9, -0.4)
+    tree.add(c, 8, -0.3)
+    line = tree.line()
+    assert line.is_chain and line.tokens == [1, 5, 7, 8] and line.depths == [-1, 0, 1, 2]
+    assert line.line() is line
+
+
 class _OldSession:
     """A plugin's session from before ``depth`` existed: it always drafts 4 tokens."""
 
@@ -178,6 +190,21 @@ def test_limits_never_change_greedy_output(kind):
         assert control.drafted == sorted(control.drafted, reverse=True)
     _, held = _run_with_limits(engine, prompts, lengths, lambda c, i: 0)
     assert all(not c.drafted for c in held)  # held to plain steps: nothing drafted
+
+
+def test_a_tree_stack_in_a_batch_drafts_its_first_line_within_its_limit():
+    # the batch planner grants positions, each a row of the shared pass: under a limit a tree stack
+    # verifies the first line of its tree (at most limit + 1 rows, checked by interleaved), alone
+    # (no limit) its tree; greedy output is the same either way
+    engine = make_engine("llama", trained_drafter("llama"), builtin_registry(),
+                         draft={"mode": "tree", "depth": 4, "topk": 3, "total_tokens": 8}, exact="observed")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 99, (int(n),), generator=gen).tolist() for n in (6, 4)]
+    lengths = [24, 20]
+    rng = random.Random(3)
+    texts, controls = _run_with_limits(engine, prompts, lengths, lambda c, i: rng.choice([1, 2, 3]))
+    assert texts == [engine.generate(p, max_new_tokens=n).text for p, n in zip(prompts, lengths)]
+    assert all(c.drafted for c in controls)
 
 
 def test_the_servers_worker_batches_with_limits_and_keeps_solo_outputs(monkeypatch):

@@ -519,6 +519,10 @@ class Engine:
             draft_seconds = 0.0
             if limit != 0 and (gate is None or gate.draft_now()):
                 tree = grow_within(session, tokens, features, n, params, verifier, generator, stats, limit)
+                if control is not None and control.limit is not None and verifier.prunes:
+                    # a batch's planner grants draft positions, each a row of the shared pass: a
+                    # tree's siblings would be rows it did not grant (greedy: any line is exact)
+                    tree = tree.line()
                 draft_seconds = time.perf_counter() - started
             else:
                 tree = DraftTree.with_root(int(tokens[root_pos]))

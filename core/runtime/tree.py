@@ -75,6 +75,10 @@ class DraftTree:
             line.append(self.children[line[-1]][0])
         return line
 
+    def line(self) -> "DraftTree":
+        """The drafter's first line alone (:meth:`first_line` from the root), as a chain."""
+        return self if self.is_chain else self._subtree(self.first_line(), leaf_probs=False)
+
     def within(self, positions: int) -> "DraftTree":
         """The tree cut to its first ``positions`` draft positions (nodes deeper are dropped; a
         node left without children keeps no draft distribution)."""
