@@ -321,3 +321,18 @@ def test_the_real_default_served_equals_generate_alone_and_batched():
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
+
+
+def test_a_server_with_batches_drafts_an_auto_stacks_chain():
+    # draft.mode = "auto": a tree only where rows are cheap and alone; a server that batches keeps
+    # the chain (a tree's extra rows are other requests' rows there)
+    from dynaspec.cli.serve import served_stack
+    from dynaspec.runtime.stacks import resolve_stack
+
+    stack = resolve_stack("default")
+    assert stack.draft.mode == "auto"
+    batched = served_stack(stack, 8)
+    assert (batched.draft.mode, batched.draft.topk, batched.draft.total_tokens) == ("chain", 1, stack.draft.depth)
+    assert served_stack(stack, 1) is stack
+    chain = resolve_stack("default-trained")
+    assert served_stack(chain, 8) is chain
