@@ -627,19 +627,31 @@ static void quantize_row_u8(const void *x, int bf16, int64_t K, int64_t Kp, uint
 
 /* x: float32 (bf16 == 0) or bfloat16 [M, K]; packed weights [N, Kp] (64 per step), wsum [N] the sum
  * of each weight row's int8 values; xq [M, Kp] and sx [M] are scratch. */
-void q8_linear_u8(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, const int8_t *packed,
-                  const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y, int threads,
-                  uint8_t *xq, float *sx) {
+/* the outputs of blocks b0..b1 (each `width` outputs) of every quantised activation row */
+typedef void (*blocks_u8_fn)(const uint8_t *xq, const float *sx, int64_t M, int64_t Kp, const int8_t *packed,
+                             const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y,
+                             int64_t b0, int64_t b1);
+
+/* quantise the activation rows, then the blocks of outputs, split evenly across the threads */
+static void linear_u8_by(blocks_u8_fn blocks_of, int64_t width, const void *x, int bf16, int64_t M, int64_t K,
+                         int64_t Kp, const int8_t *packed, const int32_t *wsum, const float *scale,
+                         const float *bias, int64_t N, float *y, int threads, uint8_t *xq, float *sx) {
     for (int64_t m = 0; m < M; m++)
         quantize_row_u8((const char *)x + (size_t)(m * K) * (bf16 ? 2 : 4), bf16, K, Kp, xq + m * Kp, sx + m);
-    const int64_t blocks = (N + NB - 1) / NB;
+    const int64_t blocks = (N + width - 1) / width;
     if (threads <= 1) {
-        blocks_u8(xq, sx, M, Kp, packed, wsum, scale, bias, N, y, 0, blocks);
+        blocks_of(xq, sx, M, Kp, packed, wsum, scale, bias, N, y, 0, blocks);
         return;
     }
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int t = 0; t < threads; t++)
-        blocks_u8(xq, sx, M, Kp, packed, wsum, scale, bias, N, y, blocks * t / threads, blocks * (t + 1) / threads);
+        blocks_of(xq, sx, M, Kp, packed, wsum, scale, bias, N, y, blocks * t / threads, blocks * (t + 1) / threads);
+}
+
+void q8_linear_u8(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, const int8_t *packed,
+                  const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y, int threads,
+                  uint8_t *xq, float *sx) {
+    linear_u8_by(blocks_u8, NB, x, bf16, M, K, Kp, packed, wsum, scale, bias, N, y, threads, xq, sx);
 }
 
 /* ---- int8 activations on AMX tiles (Intel's TMUL: tdpbusd) -----------------------------------------
@@ -745,16 +757,7 @@ static void blocks_amx(const uint8_t *xq, const float *sx, int64_t M, int64_t Kp
 void q8_linear_amx(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, const int8_t *packed,
                    const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y, int threads,
                    uint8_t *xq, float *sx) {
-    for (int64_t m = 0; m < M; m++)
-        quantize_row_u8((const char *)x + (size_t)(m * K) * (bf16 ? 2 : 4), bf16, K, Kp, xq + m * Kp, sx + m);
-    const int64_t blocks = (N + AMX_BLOCK - 1) / AMX_BLOCK;
-    if (threads <= 1) {
-        blocks_amx(xq, sx, M, Kp, packed, wsum, scale, bias, N, y, 0, blocks);
-        return;
-    }
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int t = 0; t < threads; t++)
-        blocks_amx(xq, sx, M, Kp, packed, wsum, scale, bias, N, y, blocks * t / threads, blocks * (t + 1) / threads);
+    linear_u8_by(blocks_amx, AMX_BLOCK, x, bf16, M, K, Kp, packed, wsum, scale, bias, N, y, threads, xq, sx);
 }
 #else
 int q8_amx_available(void) { return 0; }
