@@ -290,7 +290,7 @@ class Int8WeightLinear:
             # int8 mode: each row's sum of int8 weights, which takes the activations' offset out
             self.row_sums = (self.packed.view(-1, kv // lanes, tile_rows, lanes).sum((1, 3), dtype=torch.int32)
                              .reshape(-1)[:n].contiguous() if self.mode == "int8" else None)
-            self.amx = self.mode == "int8" and amx(level) and kp <= self._lib.q8_amx_max_k()
+            self.amx = self._on_tiles(kp, level)
             self._chunk = self._lib.q8_u8_chunk() if self.mode == "int8" and not self.amx else 0
             if self.amx:
                 self.packed = self._amx_packed(self._rowmajor(self.packed))
@@ -311,6 +311,11 @@ class Int8WeightLinear:
         lanes, tile_rows = self._layout
         body = packed.view(-(-self.out_features // tile_rows), -1, tile_rows, lanes)
         return torch.cat([body[:, at:at + n].reshape(-1) for at, n in self._chunk_steps()])
+
+    def _on_tiles(self, padded_in: int, level: str | None) -> bool:
+        """Whether this product runs on AMX tiles: 8-bit activations, tiles here, and rows short
+        enough that a tile's int32 sums cannot overflow."""
+        return self.mode == "int8" and amx(level) and padded_in <= self._lib.q8_amx_max_k()
 
     def _rowmajor(self, tiled: torch.Tensor) -> torch.Tensor:
         """The weights of an integer mode (no tail) as rows [N, Kp], from tiles of [steps][tile rows][lanes]."""
@@ -383,7 +388,7 @@ class Int8WeightLinear:
         if tuple(meta["layout"]) != layout:
             raise ValueError(f"packed for lanes and tile rows {tuple(meta['layout'])}, this kernel uses {layout}")
         self._layout = layout
-        self.amx = self.mode == "int8" and amx(level) and int(meta["padded_in"]) <= self._lib.q8_amx_max_k()
+        self.amx = self._on_tiles(int(meta["padded_in"]), level)
         if bool(meta.get("amx", False)) != self.amx:
             raise ValueError(f"packed {'for' if meta.get('amx') else 'without'} AMX tiles, this kernel reads "
                              f"{'them' if self.amx else 'none'}")
