@@ -666,6 +666,7 @@ void q8_linear_u8(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, con
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512DQ__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
+#define Q8_AMX 1
 #define AMX_BLOCK 64
 #define AMX_ROWS 16
 
@@ -759,16 +760,6 @@ void q8_linear_amx(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, co
                    uint8_t *xq, float *sx) {
     linear_u8_by(blocks_amx, AMX_BLOCK, x, bf16, M, K, Kp, packed, wsum, scale, bias, N, y, threads, xq, sx);
 }
-#else
-int q8_amx_available(void) { return 0; }
-int64_t q8_amx_max_k(void) { return 0; }
-int q8_amx_rows(void) { return 1; }
-void q8_linear_amx(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, const int8_t *packed,
-                   const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y, int threads,
-                   uint8_t *xq, float *sx) {
-    (void)x; (void)bf16; (void)M; (void)K; (void)Kp; (void)packed; (void)wsum; (void)scale; (void)bias; (void)N;
-    (void)y; (void)threads; (void)xq; (void)sx;
-}
 #endif
 #else
 int q8_u8_available(void) { return 0; }
@@ -780,6 +771,10 @@ void q8_linear_u8(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, con
     (void)x; (void)bf16; (void)M; (void)K; (void)Kp; (void)packed; (void)wsum; (void)scale; (void)bias; (void)N;
     (void)y; (void)threads; (void)xq; (void)sx;
 }
+#endif
+
+/* without AMX (or without the VNNI code it shares): none of it */
+#ifndef Q8_AMX
 int q8_amx_available(void) { return 0; }
 int64_t q8_amx_max_k(void) { return 0; }
 int q8_amx_rows(void) { return 1; }
