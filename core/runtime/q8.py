@@ -318,11 +318,12 @@ class Int8WeightLinear:
         return self.mode == "int8" and amx(level) and padded_in <= self._lib.q8_amx_max_k()
 
     def _rowmajor(self, tiled: torch.Tensor) -> torch.Tensor:
-        """The weights of an integer mode (no tail) as rows [N, Kp], from tiles of [steps][tile rows][lanes]."""
+        """The tiled columns of the weights as rows [N, kv] (all Kp of them in an integer mode,
+        which has no tail), from tiles of [steps][tile rows][lanes]."""
         lanes, tile_rows = self._layout
-        tiles = -(-self.out_features // tile_rows)
-        rows = tiled.view(tiles, self._padded_in // lanes, tile_rows, lanes).transpose(1, 2)
-        return rows.reshape(tiles * tile_rows, self._padded_in)[:self.out_features]
+        tiles, kv = -(-self.out_features // tile_rows), self._padded_in - self._padded_in % lanes
+        rows = tiled.view(tiles, kv // lanes, tile_rows, lanes).transpose(1, 2)
+        return rows.reshape(tiles * tile_rows, kv)[:self.out_features]
 
     def _amx_packed(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows [N, Kp] in the AMX kernel's layout (kernels/q8_linear.c): blocks of 64 outputs (N
@@ -418,13 +419,7 @@ class Int8WeightLinear:
 
     def quantised_weight(self) -> torch.Tensor:
         """The weight as the kernel sees it, dequantised (float32): for quality checks."""
-        if self.amx:
-            return self._amx_rows()[:, :self.in_features].float() * self.scale[:, None]
-        lanes, tile_rows = self._layout
-        n, k = self.out_features, self._padded_in
-        kv = k - k % lanes
-        tiles = -(-n // tile_rows)
-        body = self._tiled().view(tiles, kv // lanes, tile_rows, lanes).transpose(1, 2).reshape(tiles * tile_rows, kv)[:n]
+        body = self._amx_rows() if self.amx else self._rowmajor(self._tiled())
         q = torch.cat([body, self.tail], dim=1)[:, :self.in_features]
         return q.float() * self.scale[:, None]
 
