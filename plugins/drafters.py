@@ -1,4 +1,4 @@
-"""Built-in drafters: ``trained``, ``eagle``, ``ngram`` and ``composite`` (see
+"""Built-in drafters: ``trained``, ``eagle``, ``ngram``, ``corpus`` and ``composite`` (see
 :mod:`dynaspec.runtime.drafters` for what a drafter component builds)."""
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ import attrs
 from dynaspec.errors import ConfigError
 from dynaspec.runtime.drafters import (
     CompositeSource,
+    CorpusSource,
     DrafterContext,
     NeuralSource,
     NGramSource,
 )
 from dynaspec.runtime.hookspecs import hookimpl
-from dynaspec.runtime.params import is_text, param, positive_int, size_param
+from dynaspec.runtime.params import fraction, is_text, param, positive_int, size_param
 from dynaspec.runtime.registry import Component
 
 
@@ -78,6 +79,37 @@ def _ngram(params: NGramParams, ctx: DrafterContext) -> NGramSource:
                        tokens=params.tokens or ctx.draft.depth)
 
 
+@attrs.frozen
+class CorpusParams:
+    artifact: str | None = param(None, help="the corpus of the target's own answers (see `dynaspec build-corpus`): "
+                                            "a built-in artifact name or a folder; default: the target's built-in one",
+                                 check=lambda v: v is None or is_text(v), rule="must be a non-empty string")
+    min_count: int = size_param(2, "the fewest times the proposed token must have followed the n-gram in the corpus",
+                                unit="times")
+    min_share: float = param(0.5, help="the least share of the n-gram's occurrences the proposed token must have "
+                                       "followed it in", check=fraction, rule="must be a number in (0, 1]")
+    tokens: int | None = param(None, help="the most tokens proposed per cycle (default: the stack's draft.depth)",
+                               unit="tokens", check=_optional_size, rule="must be an integer >= 1")
+
+
+def _corpus(params: CorpusParams, ctx: DrafterContext) -> CorpusSource:
+    from dynaspec.runtime.corpus import CorpusTable
+    from dynaspec.runtime.targets import resolve_artifact
+
+    ref = params.artifact or ctx.target.name
+    try:
+        path = resolve_artifact(ref)
+    except ConfigError:
+        raise ConfigError(f"drafter 'corpus': no corpus '{ref}'" + (
+            "" if params.artifact else f" (target '{ref}' ships none; build one with `dynaspec build-corpus` "
+                                       "and name it with artifact = \"FOLDER\")")) from None
+    key = ("corpus", str(path))
+    if key not in ctx.models:
+        ctx.models[key] = CorpusTable.load(path, ctx.target.fingerprint())[0]
+    return CorpusSource(ctx.models[key], tokens=params.tokens or ctx.draft.depth, min_count=params.min_count,
+                        min_share=params.min_share)
+
+
 def _drafter_list(value) -> bool:
     return (isinstance(value, Sequence) and not isinstance(value, str) and len(value) >= 2
             and all(is_text(v) or (isinstance(v, Mapping) and is_text(v.get("name"))) for v in value))
@@ -112,6 +144,9 @@ def dynaspec_drafters():
         Component("eagle", _eagle, "a published EAGLE-1/2/3 checkpoint (folder or Hub id)", params=ModelParams),
         Component("ngram", _ngram, "prompt lookup: the continuation of the text's last n tokens where they "
                   "occurred before, in the prompt or the output; no model", params=NGramParams),
+        Component("corpus", _corpus, "retrieval from the target's own answers to train prompts: the tokens it "
+                  "most often wrote after the text's last 2 to 4 tokens, where it mostly did; no model",
+                  params=CorpusParams),
         Component("composite", _composite, "several drafters: the first that proposes drafts a chain cycle; "
                   "in a greedy tree stack their trees merge", params=CompositeParams),
     ]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = {"drafter": ["drafter.json", "drafter.safetensors"], "frequency": ["frequency.safetensors"],
-         "clusters": ["clusters.safetensors"], "router": ["router.safetensors"]}
+         "clusters": ["clusters.safetensors"], "router": ["router.safetensors"], "corpus": ["corpus.safetensors"]}
 #: an absolute path (two components or more) not glued to a word before it, e.g. not "tokens/s"
 ABSOLUTE = re.compile(r"(?<![\w.~-])/(?:[\w.+-]+/)+([\w.+-]+)")
 
@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     sources = {kind: getattr(args, kind) or (args.prepared / kind if args.prepared else None) for kind in FILES}
     dest.mkdir(parents=True, exist_ok=True)
     for kind, folder in sources.items():
-        if folder is None:
-            continue
+        if folder is None or (getattr(args, kind) is None and not folder.exists()):
+            continue  # nothing named, or a prepared folder without this artifact (made before it existed)
         for name in FILES[kind]:
             if not (folder / name).is_file():
                 raise SystemExit(f"no {name} in {folder}")

@@ -105,10 +105,10 @@ def test_an_interrupted_prepare_resumes_where_it_stopped(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         prepare("tiny-llama", out, budget=BUDGET, command="first")
     done = json.loads((out / prep.MANIFEST).read_text())["stages"]
-    assert sorted(done) == sorted(["collect", "drafter", "frequency", "clusters"])
+    assert sorted(done) == sorted(["collect", "drafter", "frequency", "corpus", "clusters"])
     monkeypatch.setattr(router_mod, "build_router", real)
     manifest = prepare("tiny-llama", out, budget=BUDGET, command="second")
-    assert [manifest["stages"][s]["command"] for s in STAGES] == ["first"] * 4 + ["second"] * 2
+    assert [manifest["stages"][s]["command"] for s in STAGES] == ["first"] * 5 + ["second"] * 2
 
 
 def test_refuses_another_target_and_bad_budgets(prepared, tmp_path):

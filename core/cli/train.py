@@ -14,7 +14,7 @@ from dynaspec.errors import ConfigError
 from dynaspec.runtime.config import WEIGHTS_CHOICES
 
 #: the stages of `dynaspec prepare` (dynaspec.training.prepare.STAGES, without importing it)
-PREPARE_STAGES = ("collect", "drafter", "frequency", "clusters", "router", "stack")
+PREPARE_STAGES = ("collect", "drafter", "frequency", "corpus", "clusters", "router", "stack")
 
 
 #: how much data and time a good drafter takes, as measured (docs/results.md, docs/drafter-curve.md)
@@ -210,6 +210,18 @@ def register(sub) -> None:
     bf.add_argument("--export-token-map", type=int, nargs="*", default=[], metavar="SIZE",
                     help="also write freq_SIZE.pt token maps (SGLang --speculative-token-map)")
 
+    bo = command(sub, cmd_build_corpus, "build-corpus", target=True,
+        help="count the `corpus` drafter's table: what the target wrote after each n-gram of its own answers")
+    bo.add_argument("--work", required=True, nargs="+",
+                    help="collection folders of train prompts with the target's greedy continuations (`prepare` "
+                    "or `train-drafter --stage collect`, --source generated); sampled and raw shards are skipped")
+    bo.add_argument("--out", required=True, help="folder (or .safetensors file) to write")
+    bo.add_argument("--sizes", type=positive_int, nargs="+", default=[2, 3, 4], metavar="N",
+                    help="n-gram lengths counted (default 2 3 4; the longest that the table holds decides)")
+    bo.add_argument("--min-count", type=positive_int, default=2, metavar="K",
+                    help="keep the n-grams seen at least K times (default 2: the drafter's default min_count; "
+                    "a larger K makes a smaller file)")
+
     bc = command(sub, cmd_build_clusters, "build-clusters", target=True,
         help="spherical k-means of the LM-head rows into M clusters")
     bc.add_argument("--clusters", type=int, default=1024, metavar="M")
@@ -250,7 +262,7 @@ def _feature_layers(values: list[str]) -> tuple[int, ...] | str:
 def cmd_prepare(args: argparse.Namespace) -> int:
     """Build everything a DynaSpec stack needs for a new target, resumably, in stages: collect train
     features in the target's prompt format, train the drafter (unless --drafter is given), count the
-    frequency list, cluster the vocabulary, train the router, and write OUT/stack.toml and the
+    frequency list and the corpus of its answers, cluster the vocabulary, train the router, and write OUT/stack.toml and the
     manifest OUT/prepare.json (artifacts, fingerprints, data, command and wall time per stage). Rerun
     the same command to resume; `--stack OUT/stack.toml` then works."""
     from dynaspec.training.prepare import PrepareBudget, prepare
@@ -336,6 +348,18 @@ def cmd_build_frequency(args: argparse.Namespace) -> int:
                                 limit=args.conversations, export=args.export_token_map,
                                 command=command_line())
     print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_build_corpus(args: argparse.Namespace) -> int:
+    """Count, over the target's own greedy answers to train prompts (collected shards), the token
+    it wrote most often after each n-gram, how often, and how often the n-gram occurred: the
+    table the `corpus` drafter proposes from (retrieval drafting, with no model)."""
+    from dynaspec.training.vocabulary import build_corpus
+
+    path, counts = build_corpus(args.target, args.work, Path(args.out), sizes=tuple(args.sizes),
+                                min_count=args.min_count, command=command_line())
+    print(f"wrote {path}: {counts['entries']:,} n-grams from {counts['shards']} shards", file=sys.stderr)
     return 0
 
 

@@ -228,15 +228,52 @@ class NGramIndex:
             if n > len(self.text):
                 self.extend(tokens[len(self.text):n].tolist())
             proposal, _ = self.lookup()
-            proposal = proposal if depth is None else proposal[:depth]
-            tree = DraftTree.with_root(self.text[-1])
-            node = 0
-            for token in proposal:
-                if not verifier.prunes:  # sampling: the one-point distribution each child was drawn from
-                    tree.draft_probs[node] = (torch.tensor([token], device=tokens.device),
-                                              torch.ones(1, device=tokens.device))
-                node = tree.add(node, token, 0.0)
-        return tree
+            return chain_tree(self.text[-1], proposal if depth is None else proposal[:depth], verifier,
+                              tokens.device)
+
+
+def chain_tree(root: int, proposal: Sequence[int], verifier, device) -> DraftTree:
+    """A drafter without a model's proposal as a chain below ``root``; for a sampler, each child
+    drawn from the one-point distribution on it (what keeps sampling lossless)."""
+    tree = DraftTree.with_root(int(root))
+    node = 0
+    for token in proposal:
+        if not verifier.prunes:
+            tree.draft_probs[node] = (torch.tensor([token], device=device), torch.ones(1, device=device))
+        node = tree.add(node, int(token), 0.0)
+    return tree
+
+
+# -- the target's own answers -----------------------------------------------------------------------
+class CorpusSource:
+    """Retrieval from a corpus of the target's own answers (:mod:`dynaspec.runtime.corpus`): after
+    the text's last n-gram, the tokens the target most often wrote next in its answers to train
+    prompts, as a chain, where the table is sure enough of them; no model."""
+
+    needs_features = False
+    feature_layers = None
+    model = None
+    chains_only = True
+
+    def __init__(self, table, *, tokens: int, min_count: int, min_share: float) -> None:
+        self.table, self.min_count, self.min_share = table, min_count, min_share
+        self.max_depth = self.max_tokens = tokens
+
+    def start(self, capacity: int) -> "CorpusSession":
+        return CorpusSession(self)
+
+
+class CorpusSession:
+    def __init__(self, source: CorpusSource) -> None:
+        self.source = source
+
+    def grow(self, tokens, features, n, params, verifier, generator, stats, depth=None) -> DraftTree:
+        src = self.source
+        with stats.timed("lookup"):
+            tail = tokens[max(0, n - src.table.sizes[0]):n].tolist()
+            limit = src.max_tokens if depth is None else min(depth, src.max_tokens)
+            proposal = src.table.propose(tail, limit, min_count=src.min_count, min_share=src.min_share)
+            return chain_tree(tail[-1], proposal, verifier, tokens.device)
 
 
 # -- several drafters -------------------------------------------------------------------------------

@@ -5,9 +5,10 @@ Stages, in order, each written into the output folder ``DIR``:
 1. ``collect``: target features on train prompts, in the target's own prompt format (``DIR/work``);
 2. ``drafter``: the EAGLE-style drafter trained on them (``DIR/drafter``), unless one is given;
 3. ``frequency``: the frequency list of the collected text (``DIR/frequency``);
-4. ``clusters``: spherical k-means of the LM-head rows (``DIR/clusters``);
-5. ``router``: the router over those clusters, fed the drafter's features (``DIR/router``);
-6. ``stack``: ``DIR/stack.toml``, the default stack's settings on these artifacts (paths relative to
+4. ``corpus``: the ``corpus`` drafter's table of the target's own answers (``DIR/corpus``);
+5. ``clusters``: spherical k-means of the LM-head rows (``DIR/clusters``);
+6. ``router``: the router over those clusters, fed the drafter's features (``DIR/router``);
+7. ``stack``: ``DIR/stack.toml``, the default stack's settings on these artifacts (paths relative to
    the folder, so it can be moved whole).
 
 ``DIR/prepare.json`` (the manifest) records every artifact, its fingerprint, the data, and the
@@ -32,7 +33,7 @@ import attrs
 from dynaspec.errors import ConfigError
 from dynaspec.runtime.files import atomic_write
 
-STAGES = ("collect", "drafter", "frequency", "clusters", "router", "stack")
+STAGES = ("collect", "drafter", "frequency", "corpus", "clusters", "router", "stack")
 MANIFEST = "prepare.json"
 #: the lock under which a process updates the manifest (see _record_stage)
 LOCK = ".prepare.json.lock"
@@ -161,7 +162,8 @@ def _stack_toml(target_ref: str, drafter: str, clusters: int, command: str) -> s
             f"target = {json.dumps(target_ref)}\n"
             f"[drafter]\n"
             f'name = "composite"\n'
-            f"drafters = [{{name = \"ngram\", tokens = 7}}, {json.dumps(drafter)}]\n"
+            f"drafters = [{{name = \"ngram\", tokens = 7}}, {{name = \"corpus\", artifact = \"./corpus\"}}, "
+            f"{json.dumps(drafter)}]\n"
             f"[shortlister]\n"
             f'name = "dynaspec"\n'
             f'clusters = "./clusters"\n'
@@ -186,7 +188,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
     from dynaspec.training import drafter as drafter_training
     from dynaspec.training.router import build_router
     from dynaspec.training.shards import shard_paths
-    from dynaspec.training.vocabulary import build_clusters, build_frequency_list
+    from dynaspec.training.vocabulary import build_clusters, build_corpus, build_frequency_list
 
     for name in (*redo, *only):
         if name not in STAGES:
@@ -255,6 +257,10 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         build_frequency_list(target, "generated", out / "frequency", work=str(work), command=command)
         return {"outputs": ["frequency"]}
 
+    def corpus() -> dict[str, Any]:
+        _, counts = build_corpus(target, [work], out / "corpus", command=command)
+        return {"outputs": ["corpus"], **counts}
+
     def clusters() -> dict[str, Any]:
         _, log = build_clusters(target, out / "clusters", clusters=budget.clusters,
                                 iterations=budget.kmeans_iterations, seed=seed, command=command)
@@ -288,7 +294,8 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
     # cheap single-process stages and the manifest are rank 0's, the others wait for them
     shared = {"collect", "drafter", "router"}
     runs: dict[str, Callable[[], dict[str, Any]]] = {
-        "collect": collect, "drafter": train_drafter, "frequency": frequency, "clusters": clusters,
+        "collect": collect, "drafter": train_drafter, "frequency": frequency, "corpus": corpus,
+        "clusters": clusters,
         "router": router, "stack": stack}
     for name in STAGES:
         if only and name not in only:
@@ -301,7 +308,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         if rank == 0 and done and name in redo:
             # a redo starts afresh once; the stage leaves the manifest, so rerunning the same command
             # after an interruption resumes the redo (the drafter from its checkpoint) instead
-            if name in ("frequency", "clusters", "router"):
+            if name in ("frequency", "corpus", "clusters", "router"):
                 shutil.rmtree(out / name, ignore_errors=True)
             if name == "drafter" and not drafter:
                 shutil.rmtree(work / f"ckpt-{drafter_dir.name}", ignore_errors=True)

@@ -101,3 +101,43 @@ def build_clusters(target_ref, out: Path, *, clusters: int, iterations: int, see
     path = save_clusters(out, assignment, centroids, {
         "target": target.fingerprint(), "clusters": clusters, "seed": seed, "kmeans": log, "command": command})
     return path, log
+
+
+def build_corpus(target_ref, works, out: Path, *, sizes=(2, 3, 4), min_count: int = 2,
+                 command: str = "", progress: bool = True) -> tuple[Path, dict[str, Any]]:
+    """Count the ``corpus`` drafter's table (:mod:`dynaspec.runtime.corpus`) from the target's own
+    greedy answers in the collected shards of ``works`` and save it to ``out``; refuses shards
+    collected from another target."""
+    import json
+
+    from tqdm import tqdm
+
+    from dynaspec.errors import ArtifactMismatchError
+    from dynaspec.runtime.artifacts import check_fingerprint
+    from dynaspec.runtime.corpus import CorpusTable, shard_answers
+    from dynaspec.runtime.targets import load_target
+    from dynaspec.training.shards import describe_shards, shard_metadata, shard_paths
+
+    target = load_target(target_ref) if isinstance(target_ref, str) else target_ref
+    fingerprint = target.fingerprint()
+    paths = [p for work in works for p in shard_paths(work)]
+    if not paths:
+        raise ConfigError(f"no collected shards in {', '.join(map(str, works))}")
+    for path in paths:
+        meta = shard_metadata(path)
+        if meta.get("split", "train") != "train":
+            raise ConfigError(f"shard {path} holds {meta['split']} prompts: a corpus is counted on train "
+                              "prompts only (its answers would otherwise be drafted back on evaluation)")
+        recorded = meta.get("target")
+        try:
+            check_fingerprint(json.loads(recorded) if recorded else None, fingerprint, what=f"shard {path}")
+        except ArtifactMismatchError as exc:
+            raise ConfigError(str(exc)) from None
+    table = CorpusTable.count(shard_answers(tqdm(paths, desc="corpus", unit="shard", file=sys.stderr,
+                                                 disable=not progress)),
+                              sizes=sizes, min_count=min_count)
+    info = {"target": fingerprint, "min_count": min_count, "command": command,
+            "corpus": f"the greedy answers (text after the prompt) of {len(paths)} collected shards: "
+                      f"{describe_shards(paths)['data']}"}
+    path = table.save(out, info)
+    return path, {"entries": len(table), "shards": len(paths)}
