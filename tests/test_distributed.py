@@ -108,7 +108,7 @@ def test_prepare_under_torchrun_builds_what_one_process_builds(tmp_path):
         sa, sb = load_shard(a), load_shard(b)
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
     manifest = json.loads((tmp_path / "two" / "prepare.json").read_text())
-    assert sorted(manifest["stages"]) == sorted(["collect", "drafter", "frequency", "clusters", "router", "stack"])
+    assert sorted(manifest["stages"]) == sorted(["collect", "drafter", "frequency", "corpus", "clusters", "router", "stack"])
     assert manifest["budget"]["unroll"] == 3
     assert json.loads((tmp_path / "two" / "drafter" / "drafter.json").read_text())["training"]["unroll"] == 3
     w1 = _weights(tmp_path / "one" / "work" / "ckpt-drafter", "checkpoint.safetensors")

@@ -50,7 +50,9 @@ conversations' own answers, one prefill) gives about 70 and a worse drafter. Tra
 bfloat16 where the CPU does natively (--precision auto): 600 steps of 2,048 positions took 31
 minutes on two processes in float32; 1,000 steps took 32 minutes in bfloat16. Both resume where they stopped: run the collection in the
 background early (--stage collect), and the drafter stage beside it (it re-reads the shards every
-epoch).
+epoch). The corpus stage counts the target's greedy answers in seconds (Qwen2.5-Coder: 93 shards,
+about 383,000 answer tokens, 143,524 n-grams, 3 s, a 3.5 MB table); rerun it with --redo corpus as
+the collection grows.
 """
 
 
