@@ -119,7 +119,7 @@ def test_generate_text_and_summary(capsys, tiny_stack):
     (["--top-p", "0"], "decode.top_p = 0.0 is invalid"),
     (["--set", "backend=nope"], "unknown backend 'nope'"),
     (["--stack", "/tmp"], "stack '/tmp' is a folder: give a stack name or a TOML file"),
-    (["--set", "drafter.tokens=3"], "a drafter table names a drafter component (composite, eagle, ngram, "),
+    (["--set", "drafter.tokens=3"], "a drafter table names a drafter component (composite, corpus, eagle, ngram, "),
 ])
 def test_errors_are_one_line(capsys, tiny_stack, argv, message):
     _, stack = tiny_stack
