@@ -11,7 +11,7 @@ import torch
 from conftest import builtin_registry, reference_greedy, target, trained_drafter
 from dynaspec.errors import ArtifactMismatchError, ConfigError
 from dynaspec.runtime.config import stack_from_mapping
-from dynaspec.runtime.corpus import CorpusTable, shard_answers
+from dynaspec.runtime.corpus import CorpusTable
 from dynaspec.runtime.engine import Engine
 
 
@@ -92,41 +92,20 @@ def test_greedy_output_is_the_targets_with_the_corpus_drafter(kind, tmp_path):
 
 
 def test_sampling_with_the_corpus_drafter_keeps_target_distribution(tmp_path):
-    from test_sampling import VOCAB, chi2_pvalue
+    from test_drafters import sample_second_tokens, sampling_target
+    from test_sampling import chi2_pvalue
 
-    from dynaspec.plugins.tiny import tiny_target
-    from dynaspec.plugins.verifiers import sampling_distribution
-    from dynaspec.runtime.drafter import Drafter, DrafterConfig
-    from dynaspec.runtime.protocols import DecodeParams
-
-    tgt = tiny_target("llama", vocab_size=VOCAB, seed=2)
-    torch.manual_seed(5)
-    model = Drafter(DrafterConfig.like_target(tgt.model)).eval()
+    tgt = sampling_target()
     prompt = [0, 3, 5, 7, 0, 3]
     # a corpus that always continues "0 3" with "5 7 0 3": proposals at every cycle
     CorpusTable.count([([0, 3], [5, 7, 0, 3, 5, 7, 0, 3])], min_count=1).save(
         tmp_path / "c", {"target": tgt.fingerprint()})
-    params = DecodeParams(1.0, 1.0)
-
-    @torch.no_grad()
-    def dist(ids):
-        return sampling_distribution(tgt.model(torch.tensor([ids])).logits[0, -1].float(),
-                                     params).numpy().astype(np.float64)
-
-    p1 = dist(prompt)
-    p2 = sum(p1[y] * dist(prompt + [y]) for y in range(VOCAB) if p1[y] > 0)
     drafter = {"name": "composite", "drafters": [{"name": "corpus", "artifact": str(tmp_path / "c"),
                                                   "min_count": 1}, "d"]}
-    engine = Engine(stack_from_mapping({"name": "s", "target": "tiny", "drafter": drafter, "verifier": "sampling",
-                                        "draft": {"mode": "chain", "depth": 3}}), tgt, model,
-                    registry=builtin_registry())
-    counts, drafted, accepted = np.zeros(VOCAB), 0, 0
     samples = 2500
-    for seed in range(samples):
-        result = engine.generate(prompt, max_new_tokens=2, temperature=1.0, seed=seed)
-        counts[result.token_ids[1]] += 1
-        drafted += result.stats.draft_sources[0]
-        accepted += sum(result.stats.accepted_at)
+    counts, p2, stats = sample_second_tokens(tgt, drafter, prompt, samples)
+    drafted = sum(s.draft_sources[0] for s in stats)
+    accepted = sum(sum(s.accepted_at) for s in stats)
     assert chi2_pvalue(counts, p2) > 1e-3
     assert 0.5 * np.abs(counts / samples - p2).sum() < 0.06
     assert drafted > 0 and accepted > 0  # the corpus drafted, and some of it was accepted
@@ -156,7 +135,7 @@ def test_a_corpus_for_another_target_is_refused(tmp_path):
 
 def test_build_corpus_counts_greedy_train_answers_and_refuses_dev_shards(tmp_path):
     from dynaspec.training.collect import collect
-    from dynaspec.training.shards import shard_paths
+    from dynaspec.training.shards import shard_answers, shard_paths
     from dynaspec.training.vocabulary import build_corpus
 
     tgt = target("llama")

@@ -219,22 +219,27 @@ def test_per_position_acceptance_in_statistics():
 
 
 # -- lossless sampling ------------------------------------------------------------------------------
-@pytest.mark.parametrize("drafter", [
-    {"name": "ngram", "min_ngram": 1, "max_ngram": 2},
-    {"name": "composite", "drafters": [{"name": "ngram", "min_ngram": 1}, "d"]},
-], ids=["ngram", "composite"])
-def test_sampling_with_prompt_lookup_keeps_target_distribution(drafter):
-    from test_sampling import VOCAB, chi2_pvalue
+def sampling_target():
+    """The tiny target of the lossless-sampling checks (test_sampling's vocabulary)."""
+    from test_sampling import VOCAB
 
     from dynaspec.plugins.tiny import tiny_target
+
+    return tiny_target("llama", vocab_size=VOCAB, seed=2)
+
+
+def sample_second_tokens(tgt, drafter, prompt: list[int], samples: int = 2500):
+    """``samples`` seeded two-token generations of ``prompt`` by a sampling stack drafting with
+    ``drafter`` (a chain of 3; ``"d"`` in it is an untrained model): the counts of the second token,
+    the target's own distribution of it (``p2``), and each generation's statistics."""
+    from test_sampling import VOCAB
+
     from dynaspec.plugins.verifiers import sampling_distribution
     from dynaspec.runtime.drafter import Drafter, DrafterConfig
     from dynaspec.runtime.protocols import DecodeParams
 
-    tgt = tiny_target("llama", vocab_size=VOCAB, seed=2)
     torch.manual_seed(5)
     model = Drafter(DrafterConfig.like_target(tgt.model)).eval()
-    prompt = [0, 3, 5, 7, 0, 3, 5, 7, 0, 3]  # every token repeats: lookups propose at once
     params = DecodeParams(1.0, 1.0)
 
     @torch.no_grad()
@@ -247,13 +252,26 @@ def test_sampling_with_prompt_lookup_keeps_target_distribution(drafter):
     engine = Engine(stack_from_mapping({"name": "s", "target": "tiny", "drafter": drafter, "verifier": "sampling",
                                         "draft": {"mode": "chain", "depth": 3}}), tgt, model,
                     registry=builtin_registry())
-    counts, drafted, accepted = np.zeros(VOCAB), 0, 0
-    samples = 2500
+    counts, stats = np.zeros(VOCAB), []
     for seed in range(samples):
         result = engine.generate(prompt, max_new_tokens=2, temperature=1.0, seed=seed)
         counts[result.token_ids[1]] += 1
-        drafted += sum(result.stats.drafted_at)
-        accepted += sum(result.stats.accepted_at)
+        stats.append(result.stats)
+    return counts, p2, stats
+
+
+@pytest.mark.parametrize("drafter", [
+    {"name": "ngram", "min_ngram": 1, "max_ngram": 2},
+    {"name": "composite", "drafters": [{"name": "ngram", "min_ngram": 1}, "d"]},
+], ids=["ngram", "composite"])
+def test_sampling_with_prompt_lookup_keeps_target_distribution(drafter):
+    from test_sampling import chi2_pvalue
+
+    prompt = [0, 3, 5, 7, 0, 3, 5, 7, 0, 3]  # every token repeats: lookups propose at once
+    samples = 2500
+    counts, p2, stats = sample_second_tokens(sampling_target(), drafter, prompt, samples)
+    drafted = sum(sum(s.drafted_at) for s in stats)
+    accepted = sum(sum(s.accepted_at) for s in stats)
     assert chi2_pvalue(counts, p2) > 1e-3
     assert 0.5 * np.abs(counts / samples - p2).sum() < 0.06
     assert 0 < accepted < drafted  # lookups were drafted, and both accepted and rejected

@@ -118,19 +118,3 @@ class CorpusTable:
             tables[int(n)] = dict(zip(map(tuple, grams), rows))
         return cls(tables), info
 
-
-def shard_answers(paths: Iterable[Path]) -> Iterable[tuple[list[int], list[int]]]:
-    """``(prompt, answer)`` ids of every sequence of collected shards whose answers the target
-    wrote greedily (a sampled continuation is not what greedy decoding writes, and a raw shard's
-    answer is the conversation's, not the target's)."""
-    from safetensors import safe_open
-
-    for path in paths:
-        with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
-            if meta.get("sampling", "greedy") != "greedy" or meta.get("source", "generated") != "generated":
-                continue
-            tokens = fh.get_tensor("tokens").tolist()
-            offs, plens = fh.get_tensor("offsets").tolist(), fh.get_tensor("prompt_lens").tolist()
-        for k, plen in enumerate(plens):
-            yield tokens[offs[k]:offs[k] + plen], tokens[offs[k] + plen:offs[k + 1]]

@@ -259,20 +259,14 @@ class CorpusSource:
         self.table, self.min_count, self.min_share = table, min_count, min_share
         self.max_depth = self.max_tokens = tokens
 
-    def start(self, capacity: int) -> "CorpusSession":
-        return CorpusSession(self)
-
-
-class CorpusSession:
-    def __init__(self, source: CorpusSource) -> None:
-        self.source = source
+    def start(self, capacity: int) -> "CorpusSource":
+        return self  # nothing of a generation is kept: the table and the text say it all
 
     def grow(self, tokens, features, n, params, verifier, generator, stats, depth=None) -> DraftTree:
-        src = self.source
         with stats.timed("lookup"):
-            tail = tokens[max(0, n - src.table.sizes[0]):n].tolist()
-            limit = src.max_tokens if depth is None else min(depth, src.max_tokens)
-            proposal = src.table.propose(tail, limit, min_count=src.min_count, min_share=src.min_share)
+            tail = tokens[max(0, n - self.table.sizes[0]):n].tolist()
+            limit = self.max_tokens if depth is None else min(depth, self.max_tokens)
+            proposal = self.table.propose(tail, limit, min_count=self.min_count, min_share=self.min_share)
             return chain_tree(tail[-1], proposal, verifier, tokens.device)
 
 

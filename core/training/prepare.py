@@ -295,8 +295,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
     shared = {"collect", "drafter", "router"}
     runs: dict[str, Callable[[], dict[str, Any]]] = {
         "collect": collect, "drafter": train_drafter, "frequency": frequency, "corpus": corpus,
-        "clusters": clusters,
-        "router": router, "stack": stack}
+        "clusters": clusters, "router": router, "stack": stack}
     for name in STAGES:
         if only and name not in only:
             continue

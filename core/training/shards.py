@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -143,3 +143,20 @@ def positions(paths: list[Path]) -> int:
             offsets = fh.get_tensor("offsets")
         total += int(offsets[-1]) - (offsets.numel() - 1)
     return total
+
+
+def shard_answers(paths) -> Iterator[tuple[list[int], list[int]]]:
+    """``(prompt, answer)`` ids of every sequence of the shards whose answers the target wrote
+    greedily (a sampled continuation is not what greedy decoding writes, and a raw shard's answer is
+    the conversation's, not the target's): what the ``corpus`` drafter's table is counted on."""
+    from safetensors import safe_open
+
+    for path in paths:
+        with safe_open(str(path), framework="pt") as fh:
+            kind = _kind(fh.metadata() or {})
+            if kind["sampling"] != "greedy" or kind["source"] != "generated":
+                continue
+            tokens = fh.get_tensor("tokens").tolist()
+            offs, plens = fh.get_tensor("offsets").tolist(), fh.get_tensor("prompt_lens").tolist()
+        for k, plen in enumerate(plens):
+            yield tokens[offs[k]:offs[k] + plen], tokens[offs[k] + plen:offs[k + 1]]

@@ -114,9 +114,9 @@ def build_corpus(target_ref, works, out: Path, *, sizes=(2, 3, 4), min_count: in
 
     from dynaspec.errors import ArtifactMismatchError
     from dynaspec.runtime.artifacts import check_fingerprint
-    from dynaspec.runtime.corpus import CorpusTable, shard_answers
+    from dynaspec.runtime.corpus import CorpusTable
     from dynaspec.runtime.targets import load_target
-    from dynaspec.training.shards import describe_shards, shard_metadata, shard_paths
+    from dynaspec.training.shards import describe_shards, shard_answers, shard_metadata, shard_paths
 
     target = load_target(target_ref) if isinstance(target_ref, str) else target_ref
     fingerprint = target.fingerprint()
