@@ -18,6 +18,15 @@ the lossless verifier at every position.
 Prints the chi-square statistic and p-value, the stack's mean accepted length (the drafts were
 accepted, so the verifier's acceptance rule was exercised), and the largest per-category
 deviation. A p-value below 0.001 would mean the distribution is not the target's.
+
+The teacher-forced probabilities come from the target's prompt pass, whose products may round
+differently from the decoding steps' (plain sampling's own draws can sit a little off them too), so
+the direct test of losslessness compares the stack's draws with plain sampling's on the same
+categories: run the check with the target's plain stack too (``--stack qwen-baseline``), then
+
+    python scripts/sampling_check.py --compare SPEC.json [SPEC2.json ...] --against PLAIN.json [...]
+
+pools each side's counts and prints a two-sample chi-square test (a contingency table).
 """
 
 from __future__ import annotations
@@ -65,8 +74,15 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="draw i uses seed first_seed + i (another first seed: an independent run)")
     parser.add_argument("--json-out", default=None)
+    parser.add_argument("--compare", nargs="+", metavar="REPORT",
+                        help="no sampling: pool these reports' counts and test them against --against's")
+    parser.add_argument("--against", nargs="+", metavar="REPORT", help="the reports to compare with (plain sampling)")
     args = parser.parse_args()
+    if args.compare:
+        return compare(args.compare, args.against or [])
 
     from scipy.stats import chisquare
     from tqdm import tqdm
@@ -81,7 +97,7 @@ def main() -> int:
     counts = dict.fromkeys(cats, 0)
     other = 0
     accepted = []
-    for seed in tqdm(range(args.samples), desc="samples", file=sys.stderr):
+    for seed in tqdm(range(args.first_seed, args.first_seed + args.samples), desc="samples", file=sys.stderr):
         result = engine.generate(prompt_ids, max_new_tokens=args.tokens, temperature=args.temperature,
                                  top_p=args.top_p, seed=seed)
         seq = tuple(result.token_ids[: args.tokens])
@@ -95,7 +111,8 @@ def main() -> int:
     observed = [counts[s] for s in cats] + [other]
     test = chisquare(observed, expected)
     worst = max(range(len(observed)), key=lambda i: abs(observed[i] - expected[i]) / max(expected[i], 1e-9) ** 0.5)
-    report = {"stack": args.stack, "prompt": args.prompt, "samples": args.samples, "tokens": args.tokens,
+    report = {"stack": args.stack, "prompt": args.prompt, "samples": args.samples, "first_seed": args.first_seed,
+              "tokens": args.tokens,
               "temperature": args.temperature, "top_p": args.top_p, "categories": len(observed),
               "chi2": float(test.statistic), "p_value": float(test.pvalue),
               "mean_accepted_length": sum(accepted) / max(len(accepted), 1),
@@ -113,6 +130,30 @@ def main() -> int:
     if args.json_out:
         with open(args.json_out, "w") as fh:
             json.dump(report, fh, indent=2, ensure_ascii=False)
+    return 0
+
+
+def compare(first: list[str], second: list[str]) -> int:
+    """A two-sample chi-square test of the pooled category counts of two sets of reports."""
+    from scipy.stats import chi2_contingency
+
+    if not second:
+        print("--compare needs --against REPORT ...", file=sys.stderr)
+        return 2
+    reports = [[json.load(open(path)) for path in paths] for paths in (first, second)]
+    key = reports[0][0]
+    for report in reports[0] + reports[1]:
+        if (report["prompt"], report["tokens"], [r["tokens"] for r in report["rows"]]) != \
+                (key["prompt"], key["tokens"], [r["tokens"] for r in key["rows"]]):
+            print("the reports differ in prompt, tokens or categories", file=sys.stderr)
+            return 2
+    counts = [[sum(r["rows"][i]["observed"] for r in side) for i in range(len(key["rows"]))] for side in reports]
+    stat, p, dof, _ = chi2_contingency(counts)
+    names = [", ".join(sorted({r["stack"] for r in side})) for side in reports]
+    print(f"{names[0]} ({sum(counts[0])} draws) against {names[1]} ({sum(counts[1])} draws): "
+          f"chi2 = {stat:.2f} on {dof} degrees of freedom, p = {p:.3f}")
+    for row, a, b in zip(key["rows"], *counts):
+        print(f"  {a:>6} {b:>6}  {row['text']!r}")
     return 0
 
 

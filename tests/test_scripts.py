@@ -226,3 +226,39 @@ def test_drafter_pass_cost_times_both_passes_and_refuses_a_stack_without_a_draft
     refused = subprocess.run([sys.executable, script, "--stack", "tiny-baseline", "--repeats", "1"],
                              capture_output=True, text=True, env=env)
     assert refused.returncode != 0 and "has no drafter with a model" in refused.stderr
+
+
+def _sampling_report(path: Path, stack: str, counts: list[int], texts=("a", "b", "c")) -> str:
+    rows = [{"tokens": [i], "text": t, "observed": c, "expected": 0.0} for i, (t, c) in enumerate(zip(texts, counts))]
+    rows.append({"tokens": "other", "text": "", "observed": counts[-1], "expected": 0.0})
+    path.write_text(json.dumps({"stack": stack, "prompt": "p", "tokens": 1, "rows": rows}))
+    return str(path)
+
+
+def _compare(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "sampling_check.py"), "--compare", *args],
+                          capture_output=True, text=True)
+
+
+def test_sampling_check_compares_two_samplers_counts(tmp_path):
+    """--compare pools each side's reports and runs a two-sample chi-square test: counts from one
+    distribution pass, counts from another fail, and reports of other categories are refused."""
+    pytest.importorskip("scipy")
+    spec = [_sampling_report(tmp_path / f"s{i}.json", "default", c) for i, c in
+            enumerate(([100, 50, 30, 20], [96, 55, 28, 21]))]
+    same = _sampling_report(tmp_path / "plain.json", "qwen-baseline", [195, 104, 61, 40])
+    result = _compare(*spec, "--against", same)
+    assert result.returncode == 0, result.stderr
+    assert "default (400 draws) against qwen-baseline (400 draws)" in result.stdout
+    p = float(result.stdout.split("p = ")[1].split()[0])
+    assert p > 0.5
+    skewed = _sampling_report(tmp_path / "skewed.json", "qwen-baseline", [100, 100, 100, 100])
+    p = float(_compare(*spec, "--against", skewed).stdout.split("p = ")[1].split()[0])
+    assert p < 1e-3
+    other = _sampling_report(tmp_path / "other.json", "qwen-baseline", [195, 104, 61, 40], texts=("a", "b", "d"))
+    other_rows = json.loads(Path(other).read_text())
+    other_rows["rows"][2]["tokens"] = [9]
+    Path(other).write_text(json.dumps(other_rows))
+    refused = _compare(*spec, "--against", other)
+    assert refused.returncode == 2 and "differ" in refused.stderr
+    assert _compare(*spec).returncode == 2  # nothing to compare with
