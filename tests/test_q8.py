@@ -328,3 +328,36 @@ def test_amx_int32_sums_reach_their_bound_without_overflow():
     assert torch.allclose(kernel(x), torch.full((2, 3), float(k)), rtol=1e-6, atol=0)
     assert torch.allclose(kernel(-x), torch.full((2, 3), -float(k)), rtol=1e-6, atol=0)
     assert not q8.Int8WeightLinear(torch.ones(3, k + 64), mode="int8").amx
+
+
+@pytest.mark.parametrize("mode", [m for m in q8.modes() if m != "float"] or [pytest.param("int8", marks=pytest.mark.skip(
+    reason="no integer activation mode here"))])
+def test_scratch_is_one_buffer_per_thread_whatever_the_row_counts(mode):
+    # every product quantises its activation rows into its thread's one scratch buffer, grown to
+    # the largest call: many prompt lengths keep one buffer (not one per product and row count),
+    # and what a larger call left in it (past the rows a smaller call writes, in an AMX tile group)
+    # changes no result
+    import threading
+
+    wide, narrow = q8.Int8WeightLinear(*_case(33, 650, seed=3)[:2], mode=mode), \
+        q8.Int8WeightLinear(*_case(64, 896, seed=4)[:2], mode=mode)
+    gen = torch.Generator().manual_seed(8)
+    xw, xn = torch.randn(70, 650, generator=gen), torch.randn(70, 896, generator=gen)
+    fresh = {}
+
+    def alone():  # a new thread: a new, zeroed buffer
+        fresh["w"] = [wide(xw[:m]) for m in (1, 3, 17)]
+        fresh["n"] = [narrow(xn[:m]) for m in (1, 3, 17)]
+
+    worker = threading.Thread(target=alone)
+    worker.start()
+    worker.join()
+    for m in range(1, 71):  # every row count, both products, one after another
+        wide(xw[:m]), narrow(xn[:m])
+    dtype = torch.uint8 if mode == "int8" else torch.int16
+    mine = [key for key in q8._SCRATCH if key[0] == threading.get_ident() and key[1] == dtype]
+    assert len(mine) == 1  # one buffer for all 140 calls
+    rows = -(-70 // 16) * 16 if narrow.amx else 70
+    assert q8._SCRATCH[mine[0]][0].numel() >= rows * narrow._padded_in  # at least the largest call's
+    for i, m in enumerate((1, 3, 17)):
+        assert torch.equal(wide(xw[:m]), fresh["w"][i]) and torch.equal(narrow(xn[:m]), fresh["n"][i])

@@ -254,6 +254,27 @@ def default_mode(level: str | None = None) -> str:
     return "int16" if "int16" in modes(level) else "float"
 
 
+#: per thread and activation dtype: the scratch buffers every product's activation rows are
+#: quantised into, grown to the largest call seen (a buffer per product and row count would keep
+#: one per prompt length: memory without bound in a server, and fresh pages on every new length)
+_SCRATCH: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+_SCRATCH_LOCK = threading.Lock()
+
+
+def _thread_scratch(dtype: torch.dtype, elements: int, rows: int) -> tuple[int, int]:
+    """``(xq, sx)`` pointers: at least ``elements`` of ``dtype`` and ``rows`` float32 scales."""
+    key = (threading.get_ident(), dtype)
+    found = _SCRATCH.get(key)
+    if found is None or found[0].numel() < elements or found[1].numel() < rows:
+        old_x, old_s = found if found is not None else (None, None)
+        size = max(elements, old_x.numel() if old_x is not None else 0)
+        count = max(rows, old_s.numel() if old_s is not None else 0)
+        found = (torch.zeros(size, dtype=dtype), torch.empty(count, dtype=torch.float32))
+        with _SCRATCH_LOCK:  # other threads add their own keys
+            _SCRATCH[key] = found
+    return found[0].data_ptr(), found[1].data_ptr()
+
+
 class Int8WeightLinear:
     """``F.linear`` with int8 weights (one scale per output row), through the compiled kernel:
     rows never depend on how many are computed together. ``mode`` (:data:`MODES`; default
@@ -272,7 +293,6 @@ class Int8WeightLinear:
         if self.mode not in modes(level):
             raise ConfigError(f"int8 kernel mode {self.mode!r} does not run here: {', '.join(modes(level))} do")
         self.out_features, self.in_features = weight.shape
-        self._scratch: dict = {}  # see _scratch_for
         self._layout = self._kernel_layout()
         lanes = self._layout[0]
         # integer modes: K padded with zero weights to a whole number of steps (no tail columns)
@@ -380,7 +400,6 @@ class Int8WeightLinear:
         this kernel packs for another layout (lanes and tile rows depend on the instruction set)."""
         self = cls.__new__(cls)
         self._lib = _library(level)
-        self._scratch = {}
         self.mode = meta["mode"]
         if self.mode not in modes(level):
             raise ValueError(f"int8 kernel mode {self.mode!r} does not run here")
@@ -424,17 +443,12 @@ class Int8WeightLinear:
         return q.float() * self.scale[:, None]
 
     def _scratch_for(self, m: int) -> tuple[int, int]:
-        """Pointers to scratch for ``m`` quantised activation rows and their scales (integer modes),
-        kept per row count and thread: they never leave the C call that fills them."""
-        key = (m, threading.get_ident())
-        found = self._scratch.get(key)
-        if found is None:
-            # AMX tiles read whole groups of 16 rows (those past m are zeros, their sums dropped)
-            rows = -(-m // self._lib.q8_amx_rows()) * self._lib.q8_amx_rows() if self.amx else m
-            xq = torch.zeros(rows, self._padded_in, dtype=torch.uint8 if self.mode == "int8" else torch.int16)
-            sx = torch.empty(m, dtype=torch.float32)
-            found = self._scratch[key] = (xq, sx, xq.data_ptr(), sx.data_ptr())
-        return found[2], found[3]
+        """Pointers to scratch for ``m`` quantised activation rows and their scales (integer modes):
+        the calling thread's buffers, shared by every product (they never leave the C call that
+        fills them; the kernel writes every column of the rows it reads, padding included)."""
+        # AMX tiles read whole groups of 16 rows (those past m: whatever is there, their sums dropped)
+        rows = -(-m // self._lib.q8_amx_rows()) * self._lib.q8_amx_rows() if self.amx else m
+        return _thread_scratch(torch.uint8 if self.mode == "int8" else torch.int16, rows * self._padded_in, m)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
