@@ -11,6 +11,7 @@ import attrs
 import torch
 
 from dynaspec.runtime.hookspecs import hookimpl
+from dynaspec.runtime.q8 import argmax
 from dynaspec.runtime.params import NoParams, is_number, param
 from dynaspec.runtime.protocols import DecodeParams
 from dynaspec.runtime.registry import Component
@@ -37,7 +38,7 @@ class GreedyVerifier:
     argmax_first_token = True
 
     def first_token(self, logits, params, generator) -> int:
-        return int(logits.argmax())
+        return argmax(logits)
 
     def propose(self, logits, k, params, generator):
         k = min(k, logits.shape[-1])
@@ -48,7 +49,7 @@ class GreedyVerifier:
     def verify(self, tree: DraftTree, logits, params, generator):
         path, node = [], 0
         while True:
-            best = int(logits[node].argmax())
+            best = argmax(logits[node])
             match = [c for c in tree.children.get(node, []) if tree.tokens[c] == best]
             if not match:
                 return path, best

@@ -361,3 +361,47 @@ def test_scratch_is_one_buffer_per_thread_whatever_the_row_counts(mode):
     assert q8._SCRATCH[mine[0]][0].numel() >= rows * narrow._padded_in  # at least the largest call's
     for i, m in enumerate((1, 3, 17)):
         assert torch.equal(wide(xw[:m]), fresh["w"][i]) and torch.equal(narrow(xn[:m]), fresh["n"][i])
+
+
+def test_rounding_to_bfloat16_in_place_is_the_conversions_rounding():
+    # ties to even (both ways), the largest finite values, infinities, NaNs, subnormals, signed zeros
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0x7F7FFFFF, 0x7F7F7FFF, 0xFF7FFFFF,
+                         0x7F800000, 0xFF800000, 0x7FC00001, 0xFFFFFFFF, 0x7F800001, 0x00000001, 0x00008000,
+                         0x80018000, 0x00000000, 0x80000000], dtype=torch.int64).to(torch.int32)
+    gen = torch.Generator().manual_seed(9)
+    values = torch.cat([bits.view(torch.float32), torch.randn(4096, generator=gen) * 1e3,
+                        torch.randint(-2**31, 2**31 - 1, (4096,), generator=gen, dtype=torch.int64)
+                        .to(torch.int32).view(torch.float32)])
+    mine = values.clone()
+    q8._library().q8_round_bf16(mine.data_ptr(), mine.numel())
+    theirs = values.to(torch.bfloat16).float()
+    nan = torch.isnan(theirs)
+    assert torch.equal(torch.isnan(mine), nan)
+    assert torch.equal(mine[~nan].view(torch.int32), theirs[~nan].view(torch.int32))  # signed zeros too
+
+
+@pytest.mark.parametrize("mode", q8.modes())
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_float_logits_are_the_product_in_float32_bit_for_bit(mode, dtype):
+    weight, bias, x = _case(301, 650, seed=10)
+    lin = q8.Int8WeightLinear(weight, bias, mode=mode)
+    for rows in (x[:1], x[:9], x[:9].reshape(3, 3, 650)):
+        rows = rows.to(dtype)
+        mine, theirs = lin.float_logits(rows), lin(rows).float()
+        assert mine.dtype == torch.float32 and mine.shape == theirs.shape
+        assert torch.equal(mine.view(torch.int32), theirs.view(torch.int32))
+
+
+def test_argmax_is_torchs_first_largest_index():
+    gen = torch.Generator().manual_seed(11)
+    rows = [torch.randn(n, generator=gen) for n in (1, 15, 16, 17, 151936)]
+    tied = torch.zeros(40)
+    tied[[7, 23, 31]] = 2.0  # the first of equal largest values
+    zeros = torch.tensor([-0.0, 0.0, -1.0])  # signed zeros are equal
+    infinite = torch.tensor([1.0, float("inf"), 3.0, float("inf")])
+    nan = torch.tensor([1.0, float("nan"), 3.0] * 7)  # torch's answer, whatever it is
+    flat = torch.randn(1, 300, generator=gen)  # a [1, V] row: the flat index, as int(t.argmax())
+    strided = torch.randn(64, generator=gen)[::2]  # not contiguous: torch's
+    for row in [*rows, tied, zeros, infinite, nan, flat, strided, torch.randn(33, generator=gen).bfloat16()]:
+        assert q8.argmax(row) == int(row.argmax()), row
+    assert q8.argmax(tied) == 7

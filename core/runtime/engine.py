@@ -22,6 +22,7 @@ from dynaspec.runtime.drafter import Drafter
 from dynaspec.runtime.drafters import DrafterContext, DraftSource, build_drafter, grow_within
 from dynaspec.runtime.gate import CostPlanner, DepthControl, DraftGate, PlainCost
 from dynaspec.runtime.protocols import DecodeParams, ShortlisterCapabilities, capabilities
+from dynaspec.runtime.q8 import argmax
 from dynaspec.runtime.registry import Registry, default_registry
 from dynaspec.runtime.stats import GenerationStats
 from dynaspec.runtime.target import TargetPass
@@ -427,7 +428,7 @@ class Engine:
         ``logits``: its logits computed already (a shared head product)."""
         if getattr(verifier, "argmax_first_token", False):
             if logits is not None:  # the probed head's row: greedy_token's argmax, as it would compute it
-                return int(logits[0].argmax())
+                return argmax(logits[0])
             return self.target.greedy_token(hidden, strict=self.strict)
         if logits is None:
             logits = self.target.logits(hidden, strict=self.strict)

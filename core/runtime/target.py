@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from dynaspec.errors import ConfigError
 from dynaspec.runtime.kv_buffer import KVBuffer
 from dynaspec.runtime.numerics import DTYPES, HEAD_PROBE_ROWS
+from dynaspec.runtime.q8 import argmax
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 
@@ -497,7 +498,8 @@ class TargetModel:
         or on the probed head unless it pads (relaxed)."""
         head = self._head if strict else self._relaxed_head
         if head is not None:
-            logits = head(hidden).float()
+            # an int8 head gives float32 rounded as its dtype's output would be, without the copies
+            logits = head.float_logits(hidden) if hasattr(head, "float_logits") else head(hidden).float()
         elif hidden.shape[0] > 1 and self.dtype == torch.float32 and self.device.type == "cpu":
             # float32 on a CPU: the head as the tall side of the product (262k x d times d x R)
             # reads it at several times the speed of the R x d times d x 262k form for a few rows
@@ -524,7 +526,7 @@ class TargetModel:
             top = F.linear(hidden, self.lm_head_weight)[0].topk(2)
             if float(top.values[0] - top.values[1]) > self._certify * float(hidden.double().norm()):
                 return int(top.indices[0])
-        return int(self.logits(hidden, strict=strict)[0].argmax())
+        return argmax(self.logits(hidden, strict=strict)[0])
 
     @torch.inference_mode()
     def keep(self, cache: Any, past: int, keep: Sequence[int]) -> None:
