@@ -486,8 +486,9 @@ class TargetModel:
         for p in passes:
             hidden = p.result[0] if isinstance(p.result, tuple) else p.result
             rows.extend(hidden[i] for i in p.head)
-        out = torch.cat([self.logits(torch.stack(rows[i:i + self.max_head_rows]), strict=strict)
-                         for i in range(0, len(rows), self.max_head_rows)])
+        parts = [self.logits(torch.stack(rows[i:i + self.max_head_rows]), strict=strict)
+                 for i in range(0, len(rows), self.max_head_rows)]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)  # vocabulary-wide rows: no copy of one
         at = 0
         for p in passes:
             p.logits = out[at:at + len(p.head)]
