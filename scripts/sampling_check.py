@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -140,7 +141,7 @@ def compare(first: list[str], second: list[str]) -> int:
     if not second:
         print("--compare needs --against REPORT ...", file=sys.stderr)
         return 2
-    reports = [[json.load(open(path)) for path in paths] for paths in (first, second)]
+    reports = [[json.loads(Path(path).read_text()) for path in paths] for paths in (first, second)]
     key = reports[0][0]
     for report in reports[0] + reports[1]:
         if (report["prompt"], report["tokens"], [r["tokens"] for r in report["rows"]]) != \

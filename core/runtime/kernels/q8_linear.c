@@ -78,56 +78,6 @@ static inline float v_sum(vec a) { return a; }
 #define NB 4 /* weight rows per tile */
 
 const char *q8_isa(void) { return ISA; }
-
-/* The index of the first largest of x[0..n) (n >= 1), as torch.argmax gives it; -1 when x holds a
- * NaN (the caller asks torch then). Two passes: the largest value, then its first index. */
-int64_t q8_argmax(const float *x, int64_t n) {
-    float best = x[0];
-    int64_t i = 0;
-    int nan = 0;
-#if defined(__AVX512F__)
-    if (n >= 16) {
-        __m512 vbest = _mm512_loadu_ps(x);
-        __mmask16 vnan = 0;
-        for (; i + 16 <= n; i += 16) {
-            const __m512 v = _mm512_loadu_ps(x + i);
-            vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            vbest = _mm512_max_ps(vbest, v);
-        }
-        nan = vnan != 0;
-        best = _mm512_reduce_max_ps(vbest);
-    }
-#endif
-    for (; i < n; i++) {
-        nan |= x[i] != x[i];
-        best = x[i] > best ? x[i] : best;
-    }
-    if (nan) return -1;
-    i = 0;
-#if defined(__AVX512F__)
-    const __m512 vb = _mm512_set1_ps(best);
-    for (; i + 16 <= n; i += 16) {
-        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), vb, _CMP_EQ_OQ);
-        if (hit) return i + __builtin_ctz((unsigned)hit);
-    }
-#endif
-    for (; i < n; i++)
-        if (x[i] == best) return i;
-    return -1;
-}
-
-/* y[0..n) rounded in place to bfloat16's precision, as float32 -> bfloat16 -> float32 rounds (round
- * to nearest, ties to even; a NaN becomes the quiet NaN bfloat16 has): an LM head's logits in the
- * precision of a bfloat16 target, without the two conversions. */
-void q8_round_bf16(float *y, int64_t n) {
-    uint32_t *u = (uint32_t *)y;
-    for (int64_t i = 0; i < n; i++) {
-        const uint32_t v = u[i];
-        const int nan = (v & 0x7fffffffu) > 0x7f800000u;
-        const uint32_t r = (v + 0x7fffu + ((v >> 16) & 1u)) & 0xffff0000u;
-        u[i] = nan ? 0x7fc00000u : r;
-    }
-}
 int q8_lanes(void) { return LANES; }
 
 /* The weights are packed by tiles (dynaspec.runtime.q8.pack): for each tile of NB weight rows (the
@@ -1144,4 +1094,56 @@ int q8_attend(const void *q, int bf16, int64_t T, int64_t H, int64_t Hkv, int64_
         }
     free(s);
     return 0;
+}
+
+/* ---- logits ------------------------------------------------------------------------------------ */
+
+/* The index of the first largest of x[0..n) (n >= 1), as torch.argmax gives it; -1 when x holds a
+ * NaN (the caller asks torch then). Two passes: the largest value, then its first index. */
+int64_t q8_argmax(const float *x, int64_t n) {
+    float best = x[0];
+    int64_t i = 0;
+    int nan = 0;
+#if defined(__AVX512F__)
+    if (n >= 16) {
+        __m512 vbest = _mm512_loadu_ps(x);
+        __mmask16 vnan = 0;
+        for (; i + 16 <= n; i += 16) {
+            const __m512 v = _mm512_loadu_ps(x + i);
+            vnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            vbest = _mm512_max_ps(vbest, v);
+        }
+        nan = vnan != 0;
+        best = _mm512_reduce_max_ps(vbest);
+    }
+#endif
+    for (; i < n; i++) {
+        nan |= x[i] != x[i];
+        best = x[i] > best ? x[i] : best;
+    }
+    if (nan) return -1;
+    i = 0;
+#if defined(__AVX512F__)
+    const __m512 vb = _mm512_set1_ps(best);
+    for (; i + 16 <= n; i += 16) {
+        const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), vb, _CMP_EQ_OQ);
+        if (hit) return i + __builtin_ctz((unsigned)hit);
+    }
+#endif
+    for (; i < n; i++)
+        if (x[i] == best) return i;
+    return -1;
+}
+
+/* y[0..n) rounded in place to bfloat16's precision, as float32 -> bfloat16 -> float32 rounds (round
+ * to nearest, ties to even; a NaN becomes the quiet NaN bfloat16 has): an LM head's logits in the
+ * precision of a bfloat16 target, without the two conversions. */
+void q8_round_bf16(float *y, int64_t n) {
+    uint32_t *u = (uint32_t *)y;
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t v = u[i];
+        const int nan = (v & 0x7fffffffu) > 0x7f800000u;
+        const uint32_t r = (v + 0x7fffu + ((v >> 16) & 1u)) & 0xffff0000u;
+        u[i] = nan ? 0x7fc00000u : r;
+    }
 }
