@@ -510,3 +510,34 @@ def test_a_lighter_prior_stops_a_failing_generation_sooner():
 
     light, heavy = failures_before_plain(1.0), failures_before_plain(4.0)
     assert 1 <= light < heavy
+
+
+def test_a_position_that_failed_early_is_not_written_off_and_a_capped_generation_looks_deeper():
+    """Two failed drafts at position 2 in the engine's first generation once set its pooled
+    acceptance to 0 for good: every later generation was capped at one position and never drafted
+    position 2 again to learn otherwise. The pooled count now starts from POOL_PRIOR drafts at the
+    unseen rate, and a capped generation drafts one position deeper every EXPLORE_EVERY-th cycle."""
+    from dynaspec.runtime.gate import EXPLORE_EVERY, POOL_PRIOR, UNSEEN_ACCEPTANCE, CostPlanner
+
+    first = _planner(plain=0.020, step=0.002, per_row=0.0005)
+    for _ in range(2):  # position 1 accepted, position 2 not
+        first.record(drafted=True, seconds=0.030, verify_seconds=0.022, rows=3, draft_seconds=0.004,
+                     reached=2, accepted=1)
+    later = CostPlanner(first.costs)
+    # the generation has no counts of its own yet: its estimates are the pooled ones
+    pooled_1 = (2 + POOL_PRIOR * UNSEEN_ACCEPTANCE) / (2 + POOL_PRIOR)
+    pooled_2 = (0 + POOL_PRIOR * UNSEEN_ACCEPTANCE * pooled_1) / (2 + POOL_PRIOR)
+    assert later.acceptance(2) == pytest.approx([pooled_1, pooled_2])
+    assert pooled_2 > 0.2
+    # a generation whose drafts are accepted at position 1 only, and whose costs make position 2
+    # not worth a step: capped at 1, and every EXPLORE_EVERY-th capped cycle drafts 2
+    capped = _planner(plain=0.020, step=0.008, per_row=0.0005)
+    caps = []
+    for _ in range(3 * EXPLORE_EVERY):
+        caps.append(capped.cap(5))
+        depth = caps[-1] or 5
+        capped.record(drafted=True, seconds=0.030, verify_seconds=0.021, rows=depth + 1,
+                      draft_seconds=0.008 * depth, reached=depth, accepted=1)
+    assert caps[0] is None  # nothing measured yet: as the stack says
+    assert caps.count(2) == 2 and set(caps[1:]) == {1, 2}
+    assert [i for i, c in enumerate(caps[1:], start=1) if c == 2] == [EXPLORE_EVERY, 2 * EXPLORE_EVERY]

@@ -249,3 +249,20 @@ def test_the_servers_worker_batches_with_limits_and_keeps_solo_outputs(monkeypat
               if s.name.endswith("_bucket")}
     assert limits["0.0"] > 0 and limits["3.0"] > limits["2.0"] > limits["0.0"]
     assert worker.planner._drafted[0] > 0  # the finished requests' drafts joined the pooled counts
+
+
+def test_a_position_no_request_reached_is_not_written_off_and_grants_look_one_deeper():
+    """Positions beyond every grant so far had a pooled share of 0, so no request was ever granted
+    them and they were never measured; now they start from the unseen rate, and a request granted
+    some positions but not all drafts one more every EXPLORE_EVERY-th such cycle."""
+    from dynaspec.runtime.gate import EXPLORE_EVERY
+
+    planner = DepthPlanner(3)
+    controls = [DepthControl(drafted=[20], accepted=[12]) for _ in range(2)]  # only position 1 drafted
+    rates = planner.acceptance(controls)
+    assert (rates[:, 1] > 0).all() and (rates[:, 2] > 0).all()
+    assert (np.diff(rates, axis=1) <= 0).all()
+    planner.choose = lambda cs: [1, 0]  # a grant of one position to the first request, none to the second
+    limits = [planner.plan(controls) for _ in range(2 * EXPLORE_EVERY)]
+    assert [i for i, lim in enumerate(limits) if lim[0] == 2] == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1]
+    assert all(lim[0] in (1, 2) and lim[1] == 0 for lim in limits)

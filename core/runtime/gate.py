@@ -151,6 +151,8 @@ class DepthControl:
     accepted: list[int] = attrs.field(factory=list)
     #: consecutive cycles this generation was held to a plain step
     held: int = 0
+    #: cycles it was granted some draft positions but not all (every ``EXPLORE_EVERY``-th drafts one more)
+    capped: int = 0
 
     def record(self, depth: int, accepted: int) -> None:
         """A drafted cycle reached ``depth`` positions and ``accepted`` of them were accepted."""
@@ -160,8 +162,15 @@ class DepthControl:
 #: default weight (in drafted cycles) of the engine's earlier generations in a generation's
 #: acceptance (``draft.planner_prior``)
 PRIOR_WEIGHT = 2.0
-#: acceptance assumed at a draft position no generation has reached yet
+#: acceptance assumed at a draft position no generation has reached yet, given the one before
 UNSEEN_ACCEPTANCE = 0.5
+#: drafted cycles at that assumed acceptance which the pooled count of each position starts from:
+#: without them two early failures at a position would set its pooled acceptance to 0, the planner
+#: would never draft that deep again, and so never learn otherwise
+POOL_PRIOR = 4.0
+#: a generation capped below its stack's depth drafts one position deeper on every
+#: ``EXPLORE_EVERY``-th capped cycle, so the positions beyond its cap stay measured
+EXPLORE_EVERY = 8
 
 
 class CostPlanner:
@@ -172,8 +181,11 @@ class CostPlanner:
     drafts at most ``k`` positions. The chosen ``k`` maximises the expected tokens per second
     ``(1 + s_1 + ... + s_k) / (k * draft_step + verification(k + 1) + overhead)``, where ``s_j`` is
     the chance that a chain reaching position ``j`` is accepted through it (this generation's
-    counts with ``prior_weight`` cycles of the engine's earlier generations mixed in; counted over
-    the cycles that a drafter with a model drafted) and ``overhead`` a cycle's bookkeeping. A plain
+    counts with ``prior_weight`` cycles of the engine's earlier generations mixed in, those with
+    ``POOL_PRIOR`` cycles at ``UNSEEN_ACCEPTANCE``; counted over the cycles that a drafter with a
+    model drafted) and ``overhead`` a cycle's bookkeeping. Every ``EXPLORE_EVERY``-th cycle capped
+    below the stack's depth drafts one position more, so the cap follows what deeper positions
+    earn instead of what a few early cycles measured. A plain
     step's rate is ``1 / (plain + overhead)``; where no depth beats it, the planner takes
     ``backoff`` plain steps and then drafts one cycle to look again, doubling ``backoff`` after
     each look that leaves drafting behind (up to ``MAX_BACKOFF``) and resetting it after one that
@@ -192,6 +204,7 @@ class CostPlanner:
         self.look_next = False
         self.looking = False
         self.max_depth = 1
+        self.capped = 0  # drafted cycles capped below the stack's depth
 
     def acceptance(self, depth: int) -> list[float]:
         """``s_1 .. s_depth`` for this generation (never rising with depth)."""
@@ -199,7 +212,7 @@ class CostPlanner:
         for j in range(depth):
             seen_d = self.costs.drafted[j] if j < len(self.costs.drafted) else 0
             seen_a = self.costs.accepted[j] if j < len(self.costs.accepted) else 0
-            prior = seen_a / seen_d if seen_d else UNSEEN_ACCEPTANCE * prev
+            prior = (seen_a + POOL_PRIOR * UNSEEN_ACCEPTANCE * prev) / (seen_d + POOL_PRIOR)
             d = self.drafted[j] if j < len(self.drafted) else 0
             a = self.accepted[j] if j < len(self.accepted) else 0
             prev = min(prev, (a + self.prior_weight * prior) / (d + self.prior_weight))
@@ -231,6 +244,10 @@ class CostPlanner:
         best = self.best_depth(self.max_depth)
         if best == 0:
             self.wait = self.backoff  # this cycle is the first of them
+        elif best is not None and best < self.max_depth:
+            self.capped += 1
+            if self.capped % EXPLORE_EVERY == 0:
+                best += 1  # one position beyond the cap: measured, or it is never drafted again
         return best
 
     def record(self, *, drafted: bool, seconds: float, verify_seconds: float, rows: int = 1,

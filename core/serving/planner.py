@@ -17,7 +17,10 @@ The planner measures, as the server runs:
   share of every request so far weighs as ``PRIOR_DRAFTS`` drafts while a request has few of its own.
 
 Until both are measured, every request of a batch drafts one position a cycle (the cheapest draft
-that measures them; a request alone drafts as its stack says). Then each cycle it grants draft
+that measures them; a request alone drafts as its stack says). A position's pooled share starts
+from ``POOL_PRIOR`` drafts at ``UNSEEN_ACCEPTANCE`` of the one before, and a request granted some
+positions but not all drafts one more every ``EXPLORE_EVERY``-th such cycle, so that positions
+beyond the grants stay measured. Then each cycle it grants draft
 positions, best ``a`` first (a request's positions in order), as far as
 they raise the batch's expected tokens per second, ``(B + sum of granted a) / (fixed + per_request
 * B + per_row * granted)``. A request granted all its positions drafts as its stack says (its own
@@ -38,7 +41,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dynaspec.runtime.gate import DepthControl
+from dynaspec.runtime.gate import EXPLORE_EVERY, POOL_PRIOR, UNSEEN_ACCEPTANCE, DepthControl
 
 #: cycles the cost fit reads, and each older cycle's weight relative to the next
 WINDOW, DECAY = 64, 0.95
@@ -111,7 +114,13 @@ class DepthPlanner:
         accepted = self._accepted + sum(a for _, a in counts)
         if drafted[0] == 0:
             return None
-        pooled = np.minimum.accumulate(np.where(drafted > 0, accepted / np.maximum(drafted, 1), 0.0))
+        # each position's pooled share starts from POOL_PRIOR drafts at UNSEEN_ACCEPTANCE of the one
+        # before: a position no request reached yet, or that a few early drafts failed at, is not
+        # written off for good (it would never be granted again, and so never measured again)
+        pooled, prev = np.zeros(self.max_depth), 1.0
+        for j in range(self.max_depth):
+            prev = min(prev, (accepted[j] + POOL_PRIOR * UNSEEN_ACCEPTANCE * prev) / (drafted[j] + POOL_PRIOR))
+            pooled[j] = prev
         rows = [(a + PRIOR_DRAFTS * pooled) / (d + PRIOR_DRAFTS) for d, a in counts]
         return np.minimum.accumulate(np.array(rows), axis=1)
 
@@ -125,6 +134,10 @@ class DepthPlanner:
             limits[max(held, key=lambda i: controls[i].held)] = None
         for control, limit in zip(controls, limits):
             control.held = control.held + 1 if limit == 0 else 0
+            if limit is not None and 0 < limit < self.max_depth:
+                control.capped += 1
+                if control.capped % EXPLORE_EVERY == 0:
+                    limit += 1  # one position beyond its grant: measured, or never granted again
             control.limit = limit
         return [c.limit for c in controls]
 
