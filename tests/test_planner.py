@@ -202,9 +202,29 @@ def test_a_tree_stack_in_a_batch_drafts_its_first_line_within_its_limit():
     prompts = [torch.randint(3, 99, (int(n),), generator=gen).tolist() for n in (6, 4)]
     lengths = [24, 20]
     rng = random.Random(3)
-    texts, controls = _run_with_limits(engine, prompts, lengths, lambda c, i: rng.choice([1, 2, 3]))
-    assert texts == [engine.generate(p, max_new_tokens=n).text for p, n in zip(prompts, lengths)]
+    from dynaspec.runtime.drafting import Drafting
+
+    widths = []  # how many nodes the drafter expands at each depth after the first
+    grow = Drafting.grow
+
+    def counting(self, *args, **kwargs):
+        tree = grow(self, *args, **kwargs)
+        widths.append((kwargs.get("chain", args[10] if len(args) > 10 else False),
+                       max((tree.depths.count(d) for d in range(len(tree))), default=0)))
+        return tree
+
+    Drafting.grow = counting
+    try:
+        texts, controls = _run_with_limits(engine, prompts, lengths, lambda c, i: rng.choice([1, 2, 3]))
+        solo = [engine.generate(p, max_new_tokens=n).text for p, n in zip(prompts, lengths)]
+    finally:
+        Drafting.grow = grow
+    assert texts == solo
     assert all(c.drafted for c in controls)
+    # granted a limit, the drafter grows its first line alone (no siblings drafted only to be cut);
+    # alone, the stack's tree
+    batched, alone = [w for chain, w in widths if chain], [w for chain, w in widths if not chain]
+    assert batched and alone and max(batched) == 1 and max(alone) > 1
 
 
 def test_the_servers_worker_batches_with_limits_and_keeps_solo_outputs(monkeypatch):

@@ -160,7 +160,8 @@ class _NeuralSession:
         #: ``context`` positions then, or all of it)
         self.offset: int | None = None
 
-    def grow(self, tokens, features, n, params, verifier, generator, stats, depth=None) -> DraftTree:
+    def grow(self, tokens, features, n, params, verifier, generator, stats, depth=None,
+             chain=False) -> DraftTree:
         # the drafter consumes (x_p, f_{p-1}) for the positions it has not seen yet (more than one
         # after cycles another drafter of a composite drafted, or plain steps; the prompt, or its
         # last ``context`` positions, at the first draft)
@@ -168,7 +169,7 @@ class _NeuralSession:
             self.offset = 0 if self.context is None else max(0, n - 1 - self.context)
         seen = self.offset + self.cache.length
         return self.drafting.grow(tokens[seen + 1:n], features[seen:n - 1], n - 1, self.cache, params,
-                                  verifier, generator, stats, tokens[:n], depth)
+                                  verifier, generator, stats, tokens[:n], depth, chain)
 
 
 # -- prompt lookup ----------------------------------------------------------------------------------
@@ -307,8 +308,9 @@ class _CompositeSession:
         self.costly_cap: int | None = None
         self.last_costly = False
 
-    def grow(self, tokens, features, n, params, verifier, generator, stats, depth=None) -> DraftTree:
-        merge = self.merge and verifier.prunes  # a sampler's siblings must come from one distribution
+    def grow(self, tokens, features, n, params, verifier, generator, stats, depth=None,
+             chain=False) -> DraftTree:
+        merge = self.merge and verifier.prunes and not chain  # a sampler's siblings: one distribution
         merged = None
         self.last_costly = False
         for index, session in enumerate(self.sessions):
@@ -317,7 +319,7 @@ class _CompositeSession:
                 continue
             if self.costly[index] and self.costly_cap is not None:
                 held = self.costly_cap if depth is None else min(depth, self.costly_cap)
-            tree = grow_within(session, tokens, features, n, params, verifier, generator, stats, held)
+            tree = grow_within(session, tokens, features, n, params, verifier, generator, stats, held, chain)
             if len(tree) == 1:
                 continue
             stats.draft_sources[index] += 1
@@ -329,21 +331,25 @@ class _CompositeSession:
 
 
 def grow_within(session, tokens, features, n, params, verifier, generator, stats,
-                depth: int | None) -> DraftTree:
+                depth: int | None, chain: bool = False) -> DraftTree:
     """``session.grow`` at most ``depth`` positions deep: a session whose ``grow`` takes no ``depth``
-    (a plugin written before it existed) drafts its own depth and the tree is cut."""
-    if depth is None:
-        return session.grow(tokens, features, n, params, verifier, generator, stats)
-    takes = _TAKES_DEPTH.get(type(session))
+    (a plugin written before it existed) drafts its own depth and the tree is cut. ``chain``: the
+    caller keeps only the tree's first line, so a session whose ``grow`` takes ``chain`` drafts
+    that line alone (others draft their tree, and the caller cuts it)."""
+    takes = _TAKES.get(type(session))
     if takes is None:
-        takes = _TAKES_DEPTH[type(session)] = "depth" in inspect.signature(session.grow).parameters
-    if takes:
-        return session.grow(tokens, features, n, params, verifier, generator, stats, depth=depth)
-    return session.grow(tokens, features, n, params, verifier, generator, stats).within(depth)
+        params_of = inspect.signature(session.grow).parameters
+        takes = _TAKES[type(session)] = ("depth" in params_of, "chain" in params_of)
+    extra = {"chain": True} if chain and takes[1] else {}
+    if depth is None:
+        return session.grow(tokens, features, n, params, verifier, generator, stats, **extra)
+    if takes[0]:
+        return session.grow(tokens, features, n, params, verifier, generator, stats, depth=depth, **extra)
+    return session.grow(tokens, features, n, params, verifier, generator, stats, **extra).within(depth)
 
 
-#: per session class: whether its ``grow`` takes ``depth``
-_TAKES_DEPTH: dict[type, bool] = {}
+#: per session class: whether its ``grow`` takes ``depth``, and ``chain``
+_TAKES: dict[type, tuple[bool, bool]] = {}
 
 
 def merge_trees(first: DraftTree, second: DraftTree) -> DraftTree:

@@ -59,10 +59,12 @@ class Drafting:
         return Shortlist(rows), vocab[rows]
 
     def grow(self, fresh_tokens, fresh_features, root_pos, dcache, params, verifier, generator,
-             stats, context, depth: int | None = None) -> DraftTree:
+             stats, context, depth: int | None = None, chain: bool = False) -> DraftTree:
         """Grow the draft tree below the root (the last committed token), at most ``depth``
-        positions deep (``None``: the stack's ``draft.depth``)."""
+        positions deep (``None``: the stack's ``draft.depth``); ``chain``: one node per depth
+        whatever ``draft.topk`` says (greedy: a batch verifies a granted request's first line only)."""
         cfg, target, drafter = self.cfg, self.target, self.drafter
+        topk = 1 if chain and verifier.prunes else cfg.topk
         steps = cfg.depth if depth is None else max(1, min(cfg.depth, depth))
         device, dtype = target.device, drafter.fc.weight.dtype
         with stats.timed("embed"):
@@ -83,7 +85,7 @@ class Drafting:
         frontier: list[int] = [0]
         slots: dict[int, int] = {}  # tree node -> its entry in the drafter cache (beyond `base`)
         for depth in range(steps):
-            counts = self._child_counts(tree, len(frontier), depth, verifier)
+            counts = self._child_counts(tree, len(frontier), depth, verifier, topk)
             if not any(counts):
                 break
             stats.draft_steps += 1
@@ -114,8 +116,8 @@ class Drafting:
                 break
             # expand the best new nodes: feed (token, parent's predicted feature) to the drafter;
             # in a tree, only lines the drafter still gives min_confidence (the best one always)
-            frontier = sorted(new_nodes, key=lambda n: (-tree.scores[n], n))[: cfg.topk]
-            if cfg.topk > 1 and verifier.prunes:
+            frontier = sorted(new_nodes, key=lambda n: (-tree.scores[n], n))[:topk]
+            if topk > 1 and verifier.prunes:
                 frontier = frontier[:1] + [n for n in frontier[1:] if tree.scores[n] >= floor]
             toks = torch.tensor([tree.tokens[n] for n in frontier], device=device)
             feats = out[torch.tensor([parent_row[n] for n in frontier], device=device)]
@@ -125,7 +127,7 @@ class Drafting:
             # with one node per depth the drafter's new cache entries are exactly the frontier's
             # ancestors, so the causal mask it builds itself is right; a tree needs its own
             mask = None
-            if cfg.topk > 1:
+            if topk > 1:
                 mask = torch.zeros(len(frontier), start + len(frontier), dtype=torch.bool, device=device)
                 mask[:, :base] = True  # the committed context, root included
                 for row, node in enumerate(frontier):
@@ -146,7 +148,7 @@ class Drafting:
             return tree
         # a tree verifies its best nodes, and none whose line the drafter gives less than
         # min_confidence beyond its first line (each row costs the target some compute)
-        return tree.keep_best(cfg.total_tokens, floor=floor if cfg.topk > 1 else None)
+        return tree.keep_best(cfg.total_tokens, floor=floor if topk > 1 else None)
 
     @staticmethod
     def _confidence(tree: DraftTree, new_nodes: list[int]) -> float:
@@ -166,11 +168,11 @@ class Drafting:
         future = self._router_pool.submit(_propose_without_grad, self.shortlister, step, self.scheduler)
         return future.result
 
-    def _child_counts(self, tree: DraftTree, n_frontier: int, depth: int, verifier) -> list[int]:
+    def _child_counts(self, tree: DraftTree, n_frontier: int, depth: int, verifier, topk: int) -> list[int]:
         """How many children each frontier node gets at this depth."""
         cfg = self.cfg
         if verifier.prunes:
-            return [cfg.topk] * n_frontier
+            return [topk] * n_frontier
         # The lossless sampler keeps every child it drew, so the node budget is spread over the
         # depths up front; counts depend only on sizes, never on which tokens were drawn.
         remaining = cfg.total_tokens - (len(tree) - 1)

@@ -519,10 +519,13 @@ class Engine:
                     limit = cap if limit is None else min(limit, cap)
             draft_seconds = 0.0
             if limit != 0 and (gate is None or gate.draft_now()):
-                tree = grow_within(session, tokens, features, n, params, verifier, generator, stats, limit)
-                if control is not None and control.limit is not None and verifier.prunes:
-                    # a batch's planner grants draft positions, each a row of the shared pass: a
-                    # tree's siblings would be rows it did not grant (greedy: any line is exact)
+                # a batch's planner grants draft positions, each a row of the shared pass: a tree's
+                # siblings would be rows it did not grant, so a granted request drafts its first
+                # line alone (greedy: any line is exact), and a plugin's tree is cut to it
+                granted = control is not None and control.limit is not None and verifier.prunes
+                tree = grow_within(session, tokens, features, n, params, verifier, generator, stats, limit,
+                                   chain=granted)
+                if granted:
                     tree = tree.line()
                 draft_seconds = time.perf_counter() - started
             else:
