@@ -310,7 +310,8 @@ class _CompositeSession:
 
     def grow(self, tokens, features, n, params, verifier, generator, stats, depth=None,
              chain=False) -> DraftTree:
-        merge = self.merge and verifier.prunes and not chain  # a sampler's siblings: one distribution
+        # a sampler's siblings must come from one distribution; a chain is one drafter's line
+        merge = self.merge and verifier.prunes and not chain
         merged = None
         self.last_costly = False
         for index, session in enumerate(self.sessions):

@@ -173,6 +173,21 @@ POOL_PRIOR = 4.0
 EXPLORE_EVERY = 8
 
 
+def pooled_share(accepted: float, drafted: float, before: float) -> float:
+    """The pooled acceptance at a draft position from its counts over every generation, starting
+    from ``POOL_PRIOR`` drafts at ``UNSEEN_ACCEPTANCE`` of ``before`` (the estimate at the position
+    before)."""
+    return (accepted + POOL_PRIOR * UNSEEN_ACCEPTANCE * before) / (drafted + POOL_PRIOR)
+
+
+def explore(limit: int, max_depth: int, capped: int) -> tuple[int, int]:
+    """A cycle held to ``limit`` positions (0 < limit < max_depth) after ``capped`` such cycles:
+    the limit it drafts at (one position deeper every ``EXPLORE_EVERY``-th, so the positions beyond
+    a cap stay measured) and the new count."""
+    capped += 1
+    return (limit + 1 if capped % EXPLORE_EVERY == 0 else limit), capped
+
+
 class CostPlanner:
     """One generation's depth, cycle by cycle, from the cost model (``draft.planner = "cost"``).
 
@@ -212,7 +227,7 @@ class CostPlanner:
         for j in range(depth):
             seen_d = self.costs.drafted[j] if j < len(self.costs.drafted) else 0
             seen_a = self.costs.accepted[j] if j < len(self.costs.accepted) else 0
-            prior = (seen_a + POOL_PRIOR * UNSEEN_ACCEPTANCE * prev) / (seen_d + POOL_PRIOR)
+            prior = pooled_share(seen_a, seen_d, prev)
             d = self.drafted[j] if j < len(self.drafted) else 0
             a = self.accepted[j] if j < len(self.accepted) else 0
             prev = min(prev, (a + self.prior_weight * prior) / (d + self.prior_weight))
@@ -245,9 +260,7 @@ class CostPlanner:
         if best == 0:
             self.wait = self.backoff  # this cycle is the first of them
         elif best is not None and best < self.max_depth:
-            self.capped += 1
-            if self.capped % EXPLORE_EVERY == 0:
-                best += 1  # one position beyond the cap: measured, or it is never drafted again
+            best, self.capped = explore(best, self.max_depth, self.capped)
         return best
 
     def record(self, *, drafted: bool, seconds: float, verify_seconds: float, rows: int = 1,

@@ -18,7 +18,8 @@ The planner measures, as the server runs:
 
 Until both are measured, every request of a batch drafts one position a cycle (the cheapest draft
 that measures them; a request alone drafts as its stack says). A position's pooled share starts
-from ``POOL_PRIOR`` drafts at ``UNSEEN_ACCEPTANCE`` of the one before, and a request granted some
+from ``POOL_PRIOR`` drafts at ``UNSEEN_ACCEPTANCE`` of the one before (both in
+:mod:`dynaspec.runtime.gate`), and a request granted some
 positions but not all drafts one more every ``EXPLORE_EVERY``-th such cycle, so that positions
 beyond the grants stay measured. Then each cycle it grants draft
 positions, best ``a`` first (a request's positions in order), as far as
@@ -41,7 +42,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dynaspec.runtime.gate import EXPLORE_EVERY, POOL_PRIOR, UNSEEN_ACCEPTANCE, DepthControl
+from dynaspec.runtime.gate import DepthControl, explore, pooled_share
 
 #: cycles the cost fit reads, and each older cycle's weight relative to the next
 WINDOW, DECAY = 64, 0.95
@@ -119,8 +120,7 @@ class DepthPlanner:
         # written off for good (it would never be granted again, and so never measured again)
         pooled, prev = np.zeros(self.max_depth), 1.0
         for j in range(self.max_depth):
-            prev = min(prev, (accepted[j] + POOL_PRIOR * UNSEEN_ACCEPTANCE * prev) / (drafted[j] + POOL_PRIOR))
-            pooled[j] = prev
+            prev = pooled[j] = min(prev, pooled_share(accepted[j], drafted[j], prev))
         rows = [(a + PRIOR_DRAFTS * pooled) / (d + PRIOR_DRAFTS) for d, a in counts]
         return np.minimum.accumulate(np.array(rows), axis=1)
 
@@ -135,9 +135,7 @@ class DepthPlanner:
         for control, limit in zip(controls, limits):
             control.held = control.held + 1 if limit == 0 else 0
             if limit is not None and 0 < limit < self.max_depth:
-                control.capped += 1
-                if control.capped % EXPLORE_EVERY == 0:
-                    limit += 1  # one position beyond its grant: measured, or never granted again
+                limit, control.capped = explore(limit, self.max_depth, control.capped)
             control.limit = limit
         return [c.limit for c in controls]
 
