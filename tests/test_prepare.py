@@ -343,3 +343,21 @@ def test_sampled_continuations_are_collected_and_trained_on(prepared, tmp_path):
         done = subprocess.run(cli, capture_output=True, text=True)
         assert done.returncode != 0 and message in done.stderr, done.stderr
         assert not (tmp_path / "z").exists()
+
+
+def test_later_turns_are_collected_as_their_own_kind(tmp_path):
+    """``--turns later``: collect's prompts are later human turns (shards say so, and their ids name
+    the turn), recorded in the manifest's budget; an unknown choice is refused."""
+    from dynaspec.training.shards import shard_kind, shard_metadata, shard_paths
+
+    budget = attrs.evolve(BUDGET, prompts=4, turns="later")
+    manifest = prepare("tiny-llama", tmp_path / "later", budget=budget, only=("collect",), command="later")
+    shards = shard_paths(tmp_path / "later" / "work")
+    assert len(shards) == 1 and shard_kind(shards[0])["turns"] == "later"
+    assert all("#" in i for i in json.loads(shard_metadata(shards[0])["ids"]))
+    assert manifest["budget"]["turns"] == "later"
+    with pytest.raises(ValueError):
+        PrepareBudget(turns="middle")
+    done = subprocess.run([sys.executable, "-m", "dynaspec", "prepare", "--target", "tiny-llama", "--out",
+                           str(tmp_path / "z"), "--turns", "middle"], capture_output=True, text=True)
+    assert done.returncode != 0 and "--turns" in done.stderr and not (tmp_path / "z").exists()

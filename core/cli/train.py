@@ -96,6 +96,11 @@ def register(sub) -> None:
     pr.add_argument("--first-prompt", type=non_negative_int, default=0, metavar="N",
                     help="collect the --prompts train prompts after the first N (new data for a drafter given "
                     "to --init that was trained on the first N; default 0)")
+    pr.add_argument("--turns", choices=["first", "later"], default="first",
+                    help="first: each train conversation's first human turn (16,588 of them: the dev "
+                    "protocol's kind of prompt); later: the second and later human turns (25,349), each "
+                    "standing alone as a prompt: new text once the first turns are all collected, "
+                    "non-English above all (default: first)")
     pr.add_argument("--source", choices=["raw", "generated"], default="generated",
                     help="generated: prompt + the target's own greedy continuation (what it will draft "
                     "against: the better drafter); raw: prompt + the conversation's own answer in one "
@@ -272,7 +277,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     the same command to resume; `--stack OUT/stack.toml` then works."""
     from dynaspec.training.prepare import PrepareBudget, prepare
 
-    budget = PrepareBudget(prompts=args.prompts, first_prompt=args.first_prompt, source=args.source, shard_size=args.shard_size,
+    budget = PrepareBudget(prompts=args.prompts, first_prompt=args.first_prompt, turns=args.turns, source=args.source, shard_size=args.shard_size,
                            new_tokens=args.new_tokens, steps=args.steps, batch_positions=args.batch_positions,
                            unroll=args.unroll,
                            drafter_width=args.drafter_width, feature_layers=_feature_layers(args.feature_layers),

@@ -47,6 +47,10 @@ class PrepareBudget:
 
     prompts: int = 2048            # train prompts collected
     first_prompt: int = 0          # ... after the first this many (new prompts for an --init drafter)
+    #: which human turns are the prompts: ``first`` (the dev protocol's kind), or ``later``, the second
+    #: and later turns of train conversations, each standing alone (new text once the first turns are
+    #: all collected)
+    turns: str = attrs.field(default="first", validator=attrs.validators.in_(("first", "later")))
     #: generated: prompt + the target's own greedy continuation (what it drafts against; the better
     #: drafter, docs/history.md "more raw text alone makes a worse drafter"); raw: prompt + the
     #: conversation's own answer in one prefill (cheaper, worse)
@@ -222,14 +226,16 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
     def collect() -> dict[str, Any]:
         collect_mod.collect(target, work, prompts=budget.prompts, shard_size=budget.shard_size,
                             new_tokens=budget.new_tokens, source=budget.source,
-                            feature_layers=budget.feature_layers, first_prompt=budget.first_prompt)
+                            feature_layers=budget.feature_layers, first_prompt=budget.first_prompt,
+                            turns=budget.turns)
         # the stage's "seconds" are this run's; a collection resumed over several runs is timed by
         # its shards ("collect_seconds" over "timed_shards" of them)
         record = {"outputs": ["work"], **_described(work)}
         for seed_, folder in enumerate(sampled_work):  # the same prompts, sampled continuations
             collect_mod.collect(target, folder, prompts=budget.prompts, shard_size=budget.shard_size,
                                 new_tokens=budget.new_tokens, source="generated", temperature=budget.temperature,
-                                seed=seed_, feature_layers=budget.feature_layers, first_prompt=budget.first_prompt)
+                                seed=seed_, feature_layers=budget.feature_layers, first_prompt=budget.first_prompt,
+                                turns=budget.turns)
             record["outputs"].append(folder.name)
             record.setdefault("sampled", []).append({"folder": folder.name, **_described(folder)})
         return record
