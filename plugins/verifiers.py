@@ -11,9 +11,9 @@ import attrs
 import torch
 
 from dynaspec.runtime.hookspecs import hookimpl
-from dynaspec.runtime.q8 import argmax
 from dynaspec.runtime.params import NoParams, is_number, param
 from dynaspec.runtime.protocols import DecodeParams
+from dynaspec.runtime.q8 import argmax
 from dynaspec.runtime.registry import Component
 from dynaspec.runtime.tree import DraftTree
 
