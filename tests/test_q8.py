@@ -280,7 +280,8 @@ def test_int16_results_are_the_same_on_every_instruction_set():
 @pytest.mark.parametrize("shape", SHAPES + [(130, 4864), (151, 896)])
 def test_amx_tiles_give_the_vnni_results_bit_for_bit(shape, dtype, monkeypatch):
     # the same quantised rows and exact int32 sums, the same epilogue: every row count (one tile
-    # group is 16 rows) and thread count gives what the AVX-512 VNNI code gives
+    # group is 16 rows) and thread count gives what the AVX-512 VNNI code gives (bfloat16 rows: the
+    # tiles' epilogue writes bfloat16 itself, the VNNI code's float32 outputs are converted by torch)
     weight, bias, _ = _case(*shape, seed=5)
     gen = torch.Generator().manual_seed(6)
     x = (torch.randn(40, shape[1], generator=gen) * 3).to(dtype)

@@ -114,8 +114,8 @@ def _library_for(level: str) -> ctypes.CDLL:
     lib.q8_linear_i16.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                   ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-    lib.q8_linear_u8.restype = lib.q8_linear_amx.restype = None
-    lib.q8_linear_u8.argtypes = lib.q8_linear_amx.argtypes = [
+    lib.q8_linear_u8.restype = lib.q8_linear_amx.restype = lib.q8_linear_amx_bf16.restype = None
+    lib.q8_linear_u8.argtypes = lib.q8_linear_amx.argtypes = lib.q8_linear_amx_bf16.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
         ctypes.c_void_p, ctypes.c_void_p]
@@ -475,6 +475,10 @@ class Int8WeightLinear:
         return _thread_scratch(torch.uint8 if self.mode == "int8" else torch.int16, rows * self._padded_in, m)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and self.amx and self.mode == "int8":
+            # bfloat16 rows on the tiles: the kernel writes the outputs as bfloat16 itself, rounded
+            # as the conversion below rounds them (the same bits, without a float32 copy to convert)
+            return self._product(x, bf16_out=True)
         out = self._product(x)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
@@ -489,14 +493,15 @@ class Int8WeightLinear:
             out = out.to(x.dtype).float()
         return out
 
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
-        """The product in float32, shaped as ``x`` with ``out_features`` last."""
+    def _product(self, x: torch.Tensor, bf16_out: bool = False) -> torch.Tensor:
+        """The product in float32 (``bf16_out``, AMX int8 only: rounded to bfloat16 by the kernel),
+        shaped as ``x`` with ``out_features`` last."""
         shape = x.shape
         if shape[-1] != self.in_features:
             raise ValueError(f"input of {shape[-1]} features for a product with {self.in_features} input features")
         rows = x if x.dim() == 2 else x.reshape(-1, shape[-1])
         m = rows.shape[0]
-        out = torch.empty(m, self.out_features, dtype=torch.float32)
+        out = torch.empty(m, self.out_features, dtype=torch.bfloat16 if bf16_out else torch.float32)
         if m:
             bias = None if self.bias is None else self.bias.data_ptr()
             threads = torch.get_num_threads()
@@ -505,7 +510,8 @@ class Int8WeightLinear:
                 bf16 = int(rows.dtype == torch.bfloat16)
                 xq, sx = self._scratch_for(m)
                 if self.mode == "int8":
-                    kernel = self._lib.q8_linear_amx if self.amx else self._lib.q8_linear_u8
+                    kernel = (self._lib.q8_linear_amx_bf16 if bf16_out else self._lib.q8_linear_amx) if self.amx \
+                        else self._lib.q8_linear_u8
                     kernel(rows.data_ptr(), bf16, m, self.in_features, self._padded_in, self.packed.data_ptr(),
                            self.row_sums.data_ptr(), self.scale.data_ptr(), bias, self.out_features, out.data_ptr(),
                            threads, xq, sx)

@@ -563,7 +563,8 @@ int q8_u8_chunk(void) { return U8CHUNK; }
  * time), not from memory. */
 static void blocks_u8(const uint8_t *xq, const float *sx, int64_t M, int64_t Kp, const int8_t *packed,
                       const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y,
-                      int64_t b0, int64_t b1) {
+                      int64_t b0, int64_t b1, int ybf) {
+    (void)ybf; /* float32 outputs only (q8_linear_u8 never asks for bfloat16) */
     const int64_t tiles = (N + NB - 1) / NB;
     if (Kp <= U8CHUNK) {  /* one chunk: tile after tile, every row group on each */
         for (int64_t b = b0; b < b1; b++) rows_block_u8(xq, sx, M, Kp, packed, wsum, scale, bias, N, y, b);
@@ -628,30 +629,32 @@ static void quantize_row_u8(const void *x, int bf16, int64_t K, int64_t Kp, uint
 /* x: float32 (bf16 == 0) or bfloat16 [M, K]; packed weights [N, Kp] (64 per step), wsum [N] the sum
  * of each weight row's int8 values; xq [M, Kp] and sx [M] are scratch. */
 /* the outputs of blocks b0..b1 (each `width` outputs) of every quantised activation row */
+/* (ybf != 0: y is bfloat16 [M][N], each output rounded to nearest even as torch's conversion rounds) */
 typedef void (*blocks_u8_fn)(const uint8_t *xq, const float *sx, int64_t M, int64_t Kp, const int8_t *packed,
                              const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y,
-                             int64_t b0, int64_t b1);
+                             int64_t b0, int64_t b1, int ybf);
 
 /* quantise the activation rows, then the blocks of outputs, split evenly across the threads */
 static void linear_u8_by(blocks_u8_fn blocks_of, int64_t width, const void *x, int bf16, int64_t M, int64_t K,
                          int64_t Kp, const int8_t *packed, const int32_t *wsum, const float *scale,
-                         const float *bias, int64_t N, float *y, int threads, uint8_t *xq, float *sx) {
+                         const float *bias, int64_t N, float *y, int threads, uint8_t *xq, float *sx, int ybf) {
     for (int64_t m = 0; m < M; m++)
         quantize_row_u8((const char *)x + (size_t)(m * K) * (bf16 ? 2 : 4), bf16, K, Kp, xq + m * Kp, sx + m);
     const int64_t blocks = (N + width - 1) / width;
     if (threads <= 1) {
-        blocks_of(xq, sx, M, Kp, packed, wsum, scale, bias, N, y, 0, blocks);
+        blocks_of(xq, sx, M, Kp, packed, wsum, scale, bias, N, y, 0, blocks, ybf);
         return;
     }
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int t = 0; t < threads; t++)
-        blocks_of(xq, sx, M, Kp, packed, wsum, scale, bias, N, y, blocks * t / threads, blocks * (t + 1) / threads);
+        blocks_of(xq, sx, M, Kp, packed, wsum, scale, bias, N, y, blocks * t / threads, blocks * (t + 1) / threads,
+                  ybf);
 }
 
 void q8_linear_u8(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, const int8_t *packed,
                   const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y, int threads,
                   uint8_t *xq, float *sx) {
-    linear_u8_by(blocks_u8, NB, x, bf16, M, K, Kp, packed, wsum, scale, bias, N, y, threads, xq, sx);
+    linear_u8_by(blocks_u8, NB, x, bf16, M, K, Kp, packed, wsum, scale, bias, N, y, threads, xq, sx, 0);
 }
 
 /* ---- int8 activations on AMX tiles (Intel's TMUL: tdpbusd) -----------------------------------------
@@ -698,8 +701,17 @@ static void amx_configure(int mb) {
 
 /* y rows m0..m0+mb of outputs n0..n0+64 (those below N) from the int32 sums s [mb][64], as
  * rows_block_u8 computes them: (float)((double)(dot - 128 * wsum) * (double)sx * (double)scale) + bias */
+/* 8 float32 outputs as bfloat16, rounded to nearest even (torch's conversion; NaN: 0x7fc0) */
+static inline void store8_bf16(uint16_t *dst, __mmask8 live, __m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    r = _mm256_mask_blend_epi32(_mm256_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm256_set1_epi32(0x7fc0));
+    _mm_mask_storeu_epi16(dst, live, _mm256_cvtepi32_epi16(r));
+}
+
 static void amx_finish(const int32_t *s, const float *sx, int64_t m0, int mb, const int32_t *wsum,
-                       const float *scale, const float *bias, int64_t N, float *y, int64_t n0) {
+                       const float *scale, const float *bias, int64_t N, float *y, int64_t n0, int ybf) {
     for (int64_t j = 0; j < AMX_BLOCK; j += 8) {
         const int64_t n = n0 + j;
         if (n >= N) break;
@@ -712,7 +724,8 @@ static void amx_finish(const int32_t *s, const float *sx, int64_t m0, int mb, co
             const __m512d d = _mm512_cvtepi64_pd(_mm512_sub_epi64(dot, offset));
             __m256 v = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_mul_pd(d, _mm512_set1_pd((double)sx[m0 + i])), sw));
             if (bias) v = _mm256_add_ps(v, bv);
-            _mm256_mask_storeu_ps(y + (m0 + i) * N + n, live, v);
+            if (ybf) store8_bf16((uint16_t *)y + (m0 + i) * N + n, live, v);
+            else _mm256_mask_storeu_ps(y + (m0 + i) * N + n, live, v);
         }
     }
 }
@@ -723,7 +736,7 @@ static void amx_finish(const int32_t *s, const float *sx, int64_t m0, int mb, co
  * group of rows: the other groups find it in the cache. */
 static void blocks_amx(const uint8_t *xq, const float *sx, int64_t M, int64_t Kp, const int8_t *packed,
                        const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y,
-                       int64_t b0, int64_t b1) {
+                       int64_t b0, int64_t b1, int ybf) {
     int32_t sums[AMX_ROWS * AMX_BLOCK];
     const int64_t steps = Kp / 64;
     amx_configure(AMX_ROWS);
@@ -748,7 +761,7 @@ static void blocks_amx(const uint8_t *xq, const float *sx, int64_t M, int64_t Kp
             _tile_stored(1, sums + 16, AMX_BLOCK * 4);
             _tile_stored(2, sums + 32, AMX_BLOCK * 4);
             _tile_stored(3, sums + 48, AMX_BLOCK * 4);
-            amx_finish(sums, sx, m0, mb, wsum, scale, bias, N, y, b * AMX_BLOCK);
+            amx_finish(sums, sx, m0, mb, wsum, scale, bias, N, y, b * AMX_BLOCK, ybf);
         }
     }
     _tile_release();
@@ -758,7 +771,16 @@ static void blocks_amx(const uint8_t *xq, const float *sx, int64_t M, int64_t Kp
 void q8_linear_amx(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, const int8_t *packed,
                    const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y, int threads,
                    uint8_t *xq, float *sx) {
-    linear_u8_by(blocks_amx, AMX_BLOCK, x, bf16, M, K, Kp, packed, wsum, scale, bias, N, y, threads, xq, sx);
+    linear_u8_by(blocks_amx, AMX_BLOCK, x, bf16, M, K, Kp, packed, wsum, scale, bias, N, y, threads, xq, sx, 0);
+}
+
+/* as q8_linear_amx, writing y as bfloat16 [M][N]: the float32 outputs rounded as torch's conversion
+ * rounds them, without a float32 copy of the outputs and a second pass over it */
+void q8_linear_amx_bf16(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, const int8_t *packed,
+                        const int32_t *wsum, const float *scale, const float *bias, int64_t N, uint16_t *y,
+                        int threads, uint8_t *xq, float *sx) {
+    linear_u8_by(blocks_amx, AMX_BLOCK, x, bf16, M, K, Kp, packed, wsum, scale, bias, N, (float *)y, threads, xq,
+                 sx, 1);
 }
 #endif
 #else
@@ -781,6 +803,12 @@ int q8_amx_rows(void) { return 1; }
 void q8_linear_amx(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, const int8_t *packed,
                    const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y, int threads,
                    uint8_t *xq, float *sx) {
+    (void)x; (void)bf16; (void)M; (void)K; (void)Kp; (void)packed; (void)wsum; (void)scale; (void)bias; (void)N;
+    (void)y; (void)threads; (void)xq; (void)sx;
+}
+void q8_linear_amx_bf16(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, const int8_t *packed,
+                        const int32_t *wsum, const float *scale, const float *bias, int64_t N, uint16_t *y,
+                        int threads, uint8_t *xq, float *sx) {
     (void)x; (void)bf16; (void)M; (void)K; (void)Kp; (void)packed; (void)wsum; (void)scale; (void)bias; (void)N;
     (void)y; (void)threads; (void)xq; (void)sx;
 }
