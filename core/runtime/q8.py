@@ -39,6 +39,9 @@ from dynaspec.errors import ConfigError
 SOURCE = Path(__file__).with_name("kernels") / "q8_linear.c"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared")
 LIBS = ("-lm",)
+#: bfloat16 rows on AMX tiles get bfloat16 outputs from the kernel's epilogue (the same bits as the
+#: float32 outputs converted by torch; False: converted by torch, for side-by-side timing)
+BF16_EPILOGUE = True
 #: the instruction sets the kernel can be built for: the processor's best (``native``), or lower,
 #: to run and test its other code paths here (``$DYNASPEC_Q8_ISA`` chooses for a process)
 LEVELS = {"native": (), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
@@ -475,7 +478,7 @@ class Int8WeightLinear:
         return _thread_scratch(torch.uint8 if self.mode == "int8" else torch.int16, rows * self._padded_in, m)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and self.amx and self.mode == "int8":
+        if x.dtype == torch.bfloat16 and self.amx and self.mode == "int8" and BF16_EPILOGUE:
             # bfloat16 rows on the tiles: the kernel writes the outputs as bfloat16 itself, rounded
             # as the conversion below rounds them (the same bits, without a float32 copy to convert)
             return self._product(x, bf16_out=True)
