@@ -303,6 +303,26 @@ def test_amx_tiles_give_the_vnni_results_bit_for_bit(shape, dtype, monkeypatch):
 
 
 @pytest.mark.skipif(not q8.amx(), reason="no AMX tiles here (Intel Sapphire Rapids and later, Linux)")
+@pytest.mark.parametrize("shape", [(130, 896), (64, 650), (7, 40)])
+def test_amx_row_groups_in_pairs_or_alone_give_the_same_bits(shape):
+    # past 16 rows the tiles take groups of rows in pairs (each weight tile serving both): the same
+    # int32 sums and epilogue as one group at a time, float32 and bfloat16 rows, every row count
+    weight, bias, _ = _case(*shape, seed=8)
+    kernel = q8.Int8WeightLinear(weight, bias, mode="int8")
+    assert kernel.amx
+    gen = torch.Generator().manual_seed(9)
+    for dtype in DTYPES:
+        x = (torch.randn(70, shape[1], generator=gen) * 3).to(dtype)
+        for m in (1, 16, 17, 31, 32, 33, 48, 63, 70):
+            try:
+                q8.set_amx_pairs(False)
+                alone = kernel(x[:m])
+            finally:
+                q8.set_amx_pairs(True)
+            assert torch.equal(kernel(x[:m]), alone), (m, dtype)
+
+
+@pytest.mark.skipif(not q8.amx(), reason="no AMX tiles here (Intel Sapphire Rapids and later, Linux)")
 def test_amx_packing_is_saved_and_refused_by_a_kernel_without_tiles(monkeypatch):
     weight, bias, x = _case(100, 130, seed=7)
     tiles = q8.Int8WeightLinear(weight, bias, mode="int8")

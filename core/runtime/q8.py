@@ -42,6 +42,13 @@ LIBS = ("-lm",)
 #: bfloat16 rows on AMX tiles get bfloat16 outputs from the kernel's epilogue (the same bits as the
 #: float32 outputs converted by torch; False: converted by torch, for side-by-side timing)
 BF16_EPILOGUE = True
+
+
+def set_amx_pairs(on: bool, level: str | None = None) -> None:
+    """Whether the AMX tiles take groups of 16 rows in pairs, each weight tile serving both (the
+    default; a product over many rows, a prefill, reads the weights from the cache half as often),
+    or one by one; the same outputs either way (for side-by-side timing)."""
+    _library(level).q8_set_amx_pairs(int(on))
 #: the instruction sets the kernel can be built for: the processor's best (``native``), or lower,
 #: to run and test its other code paths here (``$DYNASPEC_Q8_ISA`` chooses for a process)
 LEVELS = {"native": (), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
@@ -123,6 +130,8 @@ def _library_for(level: str) -> ctypes.CDLL:
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
         ctypes.c_void_p, ctypes.c_void_p]
     lib.q8_amx_available.restype = lib.q8_amx_rows.restype = ctypes.c_int
+    lib.q8_set_amx_pairs.restype = None
+    lib.q8_set_amx_pairs.argtypes = [ctypes.c_int]
     lib.q8_amx_max_k.restype = ctypes.c_int64
     lib.q8_attend_vector.restype = ctypes.c_int
     lib.q8_attend.restype = ctypes.c_int

@@ -711,8 +711,9 @@ static inline void store8_bf16(uint16_t *dst, __mmask8 live, __m256 v) {
 }
 
 static void amx_finish(const int32_t *s, const float *sx, int64_t m0, int mb, const int32_t *wsum,
-                       const float *scale, const float *bias, int64_t N, float *y, int64_t n0, int ybf) {
-    for (int64_t j = 0; j < AMX_BLOCK; j += 8) {
+                       const float *scale, const float *bias, int64_t N, float *y, int64_t n0, int width,
+                       int ybf) {
+    for (int64_t j = 0; j < width; j += 8) {
         const int64_t n = n0 + j;
         if (n >= N) break;
         const __mmask8 live = (__mmask8)(N - n >= 8 ? 0xff : (1u << (N - n)) - 1u);
@@ -720,7 +721,7 @@ static void amx_finish(const int32_t *s, const float *sx, int64_t m0, int mb, co
         const __m512d sw = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(live, scale + n));
         const __m256 bv = bias ? _mm256_maskz_loadu_ps(live, bias + n) : _mm256_setzero_ps();
         for (int i = 0; i < mb; i++) {
-            const __m512i dot = _mm512_cvtepi32_epi64(_mm256_loadu_si256((const __m256i *)(s + i * AMX_BLOCK + j)));
+            const __m512i dot = _mm512_cvtepi32_epi64(_mm256_loadu_si256((const __m256i *)(s + i * width + j)));
             const __m512d d = _mm512_cvtepi64_pd(_mm512_sub_epi64(dot, offset));
             __m256 v = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_mul_pd(d, _mm512_set1_pd((double)sx[m0 + i])), sw));
             if (bias) v = _mm256_add_ps(v, bv);
@@ -733,7 +734,15 @@ static void amx_finish(const int32_t *s, const float *sx, int64_t m0, int mb, co
 /* Tiles are always configured for 16 activation rows; the last group of a call may hold fewer, and
  * reads the rows after them from the scratch buffer, which the caller sizes to a whole number of
  * groups (their sums are not stored). Each block of weights is read from memory once, for every
- * group of rows: the other groups find it in the cache. */
+ * group of rows: the other groups find it in the cache. Past 16 rows, groups go in pairs over half
+ * a block (32 outputs) at a time: each weight tile loaded serves both groups (tiles 0-3: the sums,
+ * 4-5: the two groups' rows, 6-7: the weights), which halves the weights' traffic from the cache,
+ * the bound of a product over many rows (a prefill). The int32 sums are exact in any order, so
+ * every path gives the same outputs. */
+/* whether groups of rows go in pairs (1, the default) or one by one (0: for side-by-side timing) */
+static int amx_pairs = 1;
+void q8_set_amx_pairs(int on) { amx_pairs = on; }
+
 static void blocks_amx(const uint8_t *xq, const float *sx, int64_t M, int64_t Kp, const int8_t *packed,
                        const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y,
                        int64_t b0, int64_t b1, int ybf) {
@@ -741,7 +750,33 @@ static void blocks_amx(const uint8_t *xq, const float *sx, int64_t M, int64_t Kp
     const int64_t steps = Kp / 64;
     amx_configure(AMX_ROWS);
     for (int64_t b = b0; b < b1; b++) {
-        for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
+        int64_t m0 = 0;
+        for (; amx_pairs && m0 + AMX_ROWS < M; m0 += 2 * AMX_ROWS) {  /* two groups, the second maybe partial */
+            const int mb = (int)(M - m0 - AMX_ROWS < AMX_ROWS ? M - m0 - AMX_ROWS : AMX_ROWS);
+            const uint8_t *x0 = xq + m0 * Kp, *x1 = xq + (m0 + AMX_ROWS) * Kp;
+            for (int h = 0; h < 2; h++) {
+                const int8_t *p = packed + b * AMX_BLOCK * Kp + h * 2048;
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int64_t s = 0; s < steps; s++, p += 4 * 1024) {
+                    _tile_loadd(4, x0 + s * 64, Kp);
+                    _tile_loadd(6, p, 64);
+                    _tile_dpbusd(0, 4, 6);
+                    _tile_loadd(7, p + 1024, 64);
+                    _tile_dpbusd(1, 4, 7);
+                    _tile_loadd(5, x1 + s * 64, Kp);
+                    _tile_dpbusd(2, 5, 6);
+                    _tile_dpbusd(3, 5, 7);
+                }
+                _tile_stored(0, sums, 32 * 4);
+                _tile_stored(1, sums + 16, 32 * 4);
+                _tile_stored(2, sums + AMX_ROWS * 32, 32 * 4);
+                _tile_stored(3, sums + AMX_ROWS * 32 + 16, 32 * 4);
+                amx_finish(sums, sx, m0, AMX_ROWS, wsum, scale, bias, N, y, b * AMX_BLOCK + h * 32, 32, ybf);
+                amx_finish(sums + AMX_ROWS * 32, sx, m0 + AMX_ROWS, mb, wsum, scale, bias, N, y,
+                           b * AMX_BLOCK + h * 32, 32, ybf);
+            }
+        }
+        for (; m0 < M; m0 += AMX_ROWS) {  /* a last group alone (every group, at 16 rows or fewer) */
             const int mb = (int)(M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS);
             const uint8_t *x = xq + m0 * Kp;
             const int8_t *p = packed + b * AMX_BLOCK * Kp;
@@ -761,7 +796,7 @@ static void blocks_amx(const uint8_t *xq, const float *sx, int64_t M, int64_t Kp
             _tile_stored(1, sums + 16, AMX_BLOCK * 4);
             _tile_stored(2, sums + 32, AMX_BLOCK * 4);
             _tile_stored(3, sums + 48, AMX_BLOCK * 4);
-            amx_finish(sums, sx, m0, mb, wsum, scale, bias, N, y, b * AMX_BLOCK, ybf);
+            amx_finish(sums, sx, m0, mb, wsum, scale, bias, N, y, b * AMX_BLOCK, AMX_BLOCK, ybf);
         }
     }
     _tile_release();
@@ -798,6 +833,7 @@ void q8_linear_u8(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, con
 /* without AMX (or without the VNNI code it shares): none of it */
 #ifndef Q8_AMX
 int q8_amx_available(void) { return 0; }
+void q8_set_amx_pairs(int on) { (void)on; }
 int64_t q8_amx_max_k(void) { return 0; }
 int q8_amx_rows(void) { return 1; }
 void q8_linear_amx(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, const int8_t *packed,

@@ -1,9 +1,12 @@
-"""Plain decoding with the int8 kernel's bfloat16 epilogue (AMX tiles write bfloat16 outputs
-themselves) against the float32 outputs converted by torch afterwards, side by side: the same
-questions, alternating which runs first, every output checked equal. Prints the median decoding
-step and the prefills' total for each, and the median per-question ratio of steps.
+"""Plain decoding (or any stack) with one of the int8 kernel's AMX changes on and off, side by
+side: the same questions, alternating which runs first, every output checked equal. ``--switch
+epilogue``: bfloat16 outputs written by the tiles' epilogue itself, against float32 outputs
+converted by torch afterwards; ``--switch pairs``: groups of 16 rows in pairs (each weight tile
+serving both), against one group at a time. Prints the median decoding step and the prefills'
+total for each, and the median per-question ratio of steps.
 
-    python scripts/epilogue_ab.py --stack qwen-baseline --questions docs/results/train-questions-s26.jsonl
+    python scripts/kernel_ab.py --switch epilogue --stack qwen-baseline
+    python scripts/kernel_ab.py --switch pairs --stack qwen-baseline --prefill-only
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--switch", choices=["epilogue", "pairs"], default="epilogue")
+    parser.add_argument("--prefill-only", action="store_true", help="generate one token (time the prefills)")
     args = parser.parse_args(argv)
 
     import torch
@@ -34,25 +39,34 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.questions) as f:
         prompts = [json.loads(line)["turns"][0] for line in f if line.strip()][:args.count]
     engine.generate("Hello", max_new_tokens=8)
-    steps = {"epilogue": [], "converted": []}
-    prefills = {"epilogue": 0.0, "converted": 0.0}
+    new, old = ("epilogue", "converted") if args.switch == "epilogue" else ("pairs", "alone")
+
+    def switch(on: bool) -> None:
+        if args.switch == "epilogue":
+            q8.BF16_EPILOGUE = on
+        else:
+            q8.set_amx_pairs(on)
+
+    steps = {new: [], old: []}
+    prefills = {new: 0.0, old: 0.0}
     outputs = {}
+    tokens = 1 if args.prefill_only else args.new_tokens
     for round_ in range(args.rounds):
         for prompt in prompts:
-            order = ("epilogue", "converted") if round_ % 2 == 0 else ("converted", "epilogue")
+            order = (new, old) if round_ % 2 == 0 else (old, new)
             for name in order:
-                q8.BF16_EPILOGUE = name == "epilogue"
-                r = engine.generate(prompt, max_new_tokens=args.new_tokens)
+                switch(name == new)
+                r = engine.generate(prompt, max_new_tokens=tokens)
                 if outputs.setdefault(prompt, r.token_ids) != r.token_ids:
                     raise SystemExit(f"outputs differ ({name}) on {prompt[:60]!r}")
                 steps[name].append((r.stats.wall_time - r.stats.times["prefill"]) / max(1, r.stats.new_tokens - 1))
                 prefills[name] += r.stats.times["prefill"]
-    q8.BF16_EPILOGUE = True
+    switch(True)
     for name in steps:
         print(f"{name}: median step {statistics.median(steps[name]) * 1e3:.2f} ms, prefills {prefills[name]:.3f} s")
-    ratio = statistics.median(c / e for c, e in zip(steps["converted"], steps["epilogue"]))
-    print(f"step converted / epilogue (median over {len(steps['epilogue'])} generations): {ratio:.3f}; "
-          f"prefills {prefills['converted'] / prefills['epilogue']:.3f}; every output identical")
+    ratio = statistics.median(o / n for o, n in zip(steps[old], steps[new])) if not args.prefill_only else float("nan")
+    print(f"step {old} / {new} (median over {len(steps[new])} generations): {ratio:.3f}; "
+          f"prefills {prefills[old] / prefills[new]:.3f}; every output identical")
     return 0
 
 
