@@ -147,12 +147,9 @@ def pack_tiles(q: torch.Tensor, lanes: int, tile_rows: int) -> tuple[torch.Tenso
 def interleaved(engine: Engine, prompts, lengths, *, controls=None, limits=None,
                 **kwargs) -> tuple[list[str], list[int], list]:
     """Generate every prompt at once, as the server's worker does: each cycle, every active
-    generation drafts, each draft step's drafter calls of every generation computed together
-    (``run_draft_passes``), up to its next target pass, and all the passes run in one
-    ``forward_many``. ``controls``: each generation's :class:`DepthControl`; ``limits(cycle, i)``:
-    the draft limit generation ``i`` gets before it drafts in that cycle (every pass is checked
-    against it)."""
-    from dynaspec.runtime.drafting import DraftPass, run_draft_passes
+    generation runs to its next target pass, and all the passes run in one ``forward_many``.
+    ``controls``: each generation's :class:`DepthControl`; ``limits(cycle, i)``: the draft limit
+    generation ``i`` gets before it drafts in that cycle (every pass is checked against it)."""
     from dynaspec.runtime.stats import GenerationStats
     from dynaspec.runtime.target import TargetPass
 
@@ -161,34 +158,21 @@ def interleaved(engine: Engine, prompts, lengths, *, controls=None, limits=None,
     gens = [engine.stream_passes(p, max_new_tokens=n, stats=s, control=c, **kwargs)
             for p, n, s, c in zip(prompts, lengths, stats, controls)]
     texts = [""] * len(prompts)
-
-    def advance(i):  # to generation i's next pass or drafter call (None: it has finished)
-        for item in gens[i]:
-            if isinstance(item, (TargetPass, DraftPass)):
-                return item
-            texts[i] += item
-        return None
-
     active, sizes = list(range(len(prompts))), []
     while active:
-        steps = {}
+        passes = []
         for i in list(active):
             if limits is not None:
                 controls[i].limit = limits(len(sizes), i)
-            steps[i] = advance(i)
-        while any(isinstance(step, DraftPass) for step in steps.values()):
-            drafting = [i for i, step in steps.items() if isinstance(step, DraftPass)]
-            run_draft_passes([steps[i] for i in drafting])
-            for i in drafting:
-                steps[i] = advance(i)
-        passes = []
-        for i, step in steps.items():
-            if step is None:
+            for item in gens[i]:
+                if isinstance(item, TargetPass):
+                    if limits is not None and controls[i].limit is not None:
+                        assert len(item.ids) <= controls[i].limit + 1
+                    passes.append(item)
+                    break
+                texts[i] += item
+            else:
                 active.remove(i)
-                continue
-            if limits is not None and controls[i].limit is not None:
-                assert len(step.ids) <= controls[i].limit + 1
-            passes.append(step)
         engine.target.forward_many(passes, strict=engine.strict)
         sizes.append(len(passes))
     return texts, sizes, stats

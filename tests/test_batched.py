@@ -143,80 +143,8 @@ def test_plain_decoding_batched_and_a_random_drafter_batched():
 
 def test_a_pass_error_reaches_its_own_generation(monkeypatch):
     engine = make_engine("llama", trained_drafter("llama"), builtin_registry(), draft={"mode": "chain", "depth": 3})
-    from dynaspec.runtime.drafting import DraftPass
-
     gen = engine.stream_passes([5, 9, 31, 7], max_new_tokens=10)
-    for step in gen:  # the drafter's calls run as they come; the first target pass fails
-        if isinstance(step, TargetPass):
-            break
-        if isinstance(step, DraftPass):
-            step.run()
+    step = next(item for item in gen if isinstance(item, TargetPass))
     step.error = RuntimeError("this pass failed")
     with pytest.raises(RuntimeError, match="this pass failed"):
         next(gen)
-
-
-def _draft_calls(drafter, specs, seed):
-    """Two identical sets of drafter calls (each over its own cache holding 5 earlier rows): one
-    to run alone, one to run together."""
-    from dynaspec.runtime.drafter import DraftCache
-    from dynaspec.runtime.drafting import DraftPass
-
-    d, gen = drafter.cfg.hidden_size, torch.Generator().manual_seed(seed)
-    sets = ([], [])
-    for rows, last, tree in specs:
-        first_e, first_f = torch.randn(5, d, generator=gen), torch.randn(5, d, generator=gen)
-        emb, feats = torch.randn(rows, d, generator=gen), torch.randn(rows, d, generator=gen)
-        mask = None
-        if tree:  # siblings: each row sees the context and itself
-            mask = torch.ones(rows, 5 + rows, dtype=torch.bool)
-            mask[:, 5:] = torch.eye(rows, dtype=torch.bool)
-        positions = torch.full((rows,), 5) if tree else torch.arange(5, 5 + rows)
-        for calls in sets:
-            cache = DraftCache(32)
-            drafter(first_e[None], first_f[None], torch.arange(5)[None], cache=cache)
-            calls.append(DraftPass(drafter, emb, feats, positions, cache, mask=mask, last=last))
-    return sets
-
-
-def test_drafter_calls_of_several_drafts_together_equal_each_alone():
-    # a server's batch: each draft step's drafter calls of every request in one forward_many (the
-    # products once over all rows), each attending over its own cache: the outputs and caches of
-    # each call alone, to float rounding (drafts only propose: verification decides the output)
-    from dynaspec.runtime.drafting import run_draft_passes
-
-    drafter = trained_drafter("llama")
-    assert drafter.batches_calls
-    with torch.inference_mode():
-        alone, together = _draft_calls(drafter, [(3, True, False), (1, False, False), (2, False, True),
-                                                 (4, True, False), (1, False, False)], seed=1)
-        for p in alone:
-            p.run()
-        run_draft_passes(together)
-    for a, b in zip(alone, together):
-        assert a.result.shape == b.result.shape == ((1 if a.last else len(a.emb)), drafter.cfg.hidden_size)
-        assert torch.allclose(a.result, b.result, atol=1e-5, rtol=1e-5)
-        assert b.cache.length == a.cache.length == 5 + len(a.emb)
-        assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a.cache.views(), b.cache.views()))
-        assert b.seconds > 0 and b.share == pytest.approx(b.seconds / len(together))
-
-
-def test_a_failing_drafter_call_fails_alone_and_other_drafters_run_one_by_one():
-    from dynaspec.runtime.drafting import run_draft_passes
-    from dynaspec.runtime.eagle import Eagle3Drafter
-
-    drafter = trained_drafter("llama")
-    with torch.inference_mode():
-        alone, together = _draft_calls(drafter, [(2, True, False), (1, False, False), (3, False, False)], seed=2)
-        bad = together[1]
-        bad.feats = bad.feats[:, :-1]  # a wrong width: its call fails, the others' are computed
-        for p in alone:
-            p.run()
-        run_draft_passes(together)
-    assert bad.error is not None and bad.result is None and bad.cache.length == 5
-    with pytest.raises(RuntimeError):
-        bad.output()
-    for i in (0, 2):
-        assert together[i].error is None and torch.allclose(together[i].output(), alone[i].result, atol=1e-5)
-    # a drafter class with a forward of its own (EAGLE-3's) runs its calls one by one
-    assert drafter.batches_calls and not Eagle3Drafter.__new__(Eagle3Drafter).batches_calls

@@ -205,20 +205,20 @@ def test_a_tree_stack_in_a_batch_drafts_its_first_line_within_its_limit():
     from dynaspec.runtime.drafting import Drafting
 
     widths = []  # how many nodes the drafter expands at each depth after the first
-    grow = Drafting.grow_steps  # what grow and a batch's drafts run
+    grow = Drafting.grow
 
     def counting(self, *args, **kwargs):
-        tree = yield from grow(self, *args, **kwargs)
+        tree = grow(self, *args, **kwargs)
         widths.append((kwargs.get("chain", args[10] if len(args) > 10 else False),
                        max((tree.depths.count(d) for d in range(len(tree))), default=0)))
         return tree
 
-    Drafting.grow_steps = counting
+    Drafting.grow = counting
     try:
         texts, controls = _run_with_limits(engine, prompts, lengths, lambda c, i: rng.choice([1, 2, 3]))
         solo = [engine.generate(p, max_new_tokens=n).text for p, n in zip(prompts, lengths)]
     finally:
-        Drafting.grow_steps = grow
+        Drafting.grow = grow
     assert texts == solo
     assert all(c.drafted for c in controls)
     # granted a limit, the drafter grows its first line alone (no siblings drafted only to be cut);

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import attrs
 import torch
@@ -174,27 +174,18 @@ class DecoderLayer(nn.Module):
         the last position attends ([B, 1, d]): the others' keys and values still go to the cache,
         which is all that a pass over a prompt, or over the tokens a drafter catches up on, needs
         of them (one layer: a position's key and value depend on its own input alone)."""
-        k, v = self.k_proj(hx), self.v_proj(hx)
-        q = self.q_proj(hx[:, -1:] if last else hx)
-        return self.o_proj(self._heads(q, k, v, positions, cache, mask, last))
-
-    def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-               cache: DraftCache | None, mask: torch.Tensor | None, last: bool) -> torch.Tensor:
-        """One sequence's attention from its projected rows (q [B, Tq, h * hd], Tq = 1 with
-        ``last``; k, v [B, T, kv * hd]): norms, rotary angles, the cache, the attention itself;
-        [B, Tq, h * hd], before ``o_proj``."""
         cfg = self.cfg
-        b, t, _ = k.shape
-        k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        b, t, _ = hx.shape
+        k = self.k_proj(hx).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = self.v_proj(hx).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         angles = _rope_angles(positions, cfg.head_dim, cfg.rope_theta)  # once for q and k
         if self.k_norm is not None:
             k = self.k_norm(k)
         k = _rope(k, positions, cfg.rope_theta, angles)
         if last:  # the queries of the last position only
-            angles, t = (angles[0][..., -1:, :], angles[1][..., -1:, :]), 1
+            hx, angles, t = hx[:, -1:], (angles[0][..., -1:, :], angles[1][..., -1:, :]), 1
             mask = None if mask is None else mask[-1:]
-        q = q.view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        q = self.q_proj(hx).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = _rope(q, positions, cfg.rope_theta, angles)
@@ -211,32 +202,9 @@ class DecoderLayer(nn.Module):
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             if mask is None:
                 s = k.shape[-2]
-                mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+                mask = torch.ones(t, s, dtype=torch.bool, device=hx.device).tril(s - t)
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return attn.transpose(1, 2).reshape(b, t, cfg.num_heads * cfg.head_dim)
-
-    def forward_many(self, x: torch.Tensor, calls: Sequence[tuple[int, torch.Tensor, DraftCache | None,
-                                                                  torch.Tensor | None, bool]]) -> torch.Tensor:
-        """:meth:`forward` of several sequences at once: ``x`` [R, d] their rows one after another,
-        ``calls`` per sequence (rows, positions [rows], cache, mask, last). The products run once
-        over every row; each sequence attends over its own cache. Returns the rows each sequence's
-        :meth:`forward` returns (one row for ``last``), one after another."""
-        hx = self.input_norm(x)
-        k_all, v_all = self.k_proj(hx), self.v_proj(hx)
-        picks, at = [], 0
-        for rows, _, _, _, last in calls:
-            picks.extend([at + rows - 1] if last else range(at, at + rows))
-            at += rows
-        picked = torch.tensor(picks, device=x.device)
-        q_all = self.q_proj(hx[picked])
-        heads, at, qa = [], 0, 0
-        for rows, positions, cache, mask, last in calls:
-            tq = 1 if last else rows
-            heads.append(self._heads(q_all[None, qa:qa + tq], k_all[None, at:at + rows], v_all[None, at:at + rows],
-                                     positions[None], cache, mask, last)[0])
-            at, qa = at + rows, qa + tq
-        x = x[picked] + self.o_proj(torch.cat(heads))
-        return x + self.mlp(x)
+        return self.o_proj(attn.transpose(1, 2).reshape(b, t, cfg.num_heads * cfg.head_dim))
 
 
 class Drafter(nn.Module):
@@ -304,25 +272,6 @@ class Drafter(nn.Module):
         features = self.project(features)
         x = self.fc(torch.cat([self.token_input(token_embeddings), features], dim=-1).to(self.fc.weight.dtype))
         return self.norm(self.layer(x, positions, cache, mask, last=last))
-
-    @property
-    def batches_calls(self) -> bool:
-        """Whether :meth:`forward_many` computes what :meth:`forward` does (a subclass with a
-        forward of its own, as EAGLE-3's, has its calls run one by one)."""
-        return type(self).forward is Drafter.forward
-
-    def forward_many(self, calls: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, DraftCache, torch.Tensor | None,
-                                                 bool]]) -> list[torch.Tensor]:
-        """:meth:`forward` of several sequences, each with its own cache: ``calls`` of
-        (token embeddings [T, d], features [T, f], positions [T], cache, mask, last). The products
-        (``fc``, the layer's projections and MLP) run once over every sequence's rows, which reads
-        the weights once instead of once per sequence; each sequence attends over its own cache.
-        Returns each sequence's output ([T, d], or [1, d] with ``last``)."""
-        inputs = [torch.cat([self.token_input(emb), self.project(feats)], dim=-1) for emb, feats, *_ in calls]
-        x = self.fc(torch.cat(inputs).to(self.fc.weight.dtype))
-        out = self.norm(self.layer.forward_many(x, [(len(emb), pos, cache, mask, last)
-                                                    for emb, _, pos, cache, mask, last in calls]))
-        return list(out.split([1 if c[5] else len(c[0]) for c in calls]))
 
     # -- persistence -------------------------------------------------------------------------------
     def save(self, directory: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16) -> None:

@@ -33,7 +33,6 @@ import torch
 
 from dynaspec.errors import ConfigError
 from dynaspec.runtime.config import ComponentRef, DraftConfig
-from dynaspec.runtime.drafting import run_alone
 from dynaspec.runtime.tree import DraftTree
 
 
@@ -163,19 +162,14 @@ class _NeuralSession:
 
     def grow(self, tokens, features, n, params, verifier, generator, stats, depth=None,
              chain=False) -> DraftTree:
-        return run_alone(self.grow_steps(tokens, features, n, params, verifier, generator, stats, depth, chain))
-
-    def grow_steps(self, tokens, features, n, params, verifier, generator, stats, depth=None, chain=False):
-        """:meth:`grow`, handing each call of the drafter model over as a ``DraftPass`` (see
-        :meth:`Drafting.grow_steps`)."""
         # the drafter consumes (x_p, f_{p-1}) for the positions it has not seen yet (more than one
         # after cycles another drafter of a composite drafted, or plain steps; the prompt, or its
         # last ``context`` positions, at the first draft)
         if self.offset is None:
             self.offset = 0 if self.context is None else max(0, n - 1 - self.context)
         seen = self.offset + self.cache.length
-        return (yield from self.drafting.grow_steps(tokens[seen + 1:n], features[seen:n - 1], n - 1, self.cache,
-                                                    params, verifier, generator, stats, tokens[:n], depth, chain))
+        return self.drafting.grow(tokens[seen + 1:n], features[seen:n - 1], n - 1, self.cache, params,
+                                  verifier, generator, stats, tokens[:n], depth, chain)
 
 
 # -- prompt lookup ----------------------------------------------------------------------------------
@@ -316,10 +310,6 @@ class _CompositeSession:
 
     def grow(self, tokens, features, n, params, verifier, generator, stats, depth=None,
              chain=False) -> DraftTree:
-        return run_alone(self.grow_steps(tokens, features, n, params, verifier, generator, stats, depth, chain))
-
-    def grow_steps(self, tokens, features, n, params, verifier, generator, stats, depth=None, chain=False):
-        """:meth:`grow`, handing over the calls of its drafters' models (see :func:`grow_within_steps`)."""
         # a sampler's siblings must come from one distribution; a chain is one drafter's line
         merge = self.merge and verifier.prunes and not chain
         merged = None
@@ -330,8 +320,7 @@ class _CompositeSession:
                 continue
             if self.costly[index] and self.costly_cap is not None:
                 held = self.costly_cap if depth is None else min(depth, self.costly_cap)
-            tree = yield from grow_within_steps(session, tokens, features, n, params, verifier, generator, stats,
-                                                held, chain)
+            tree = grow_within(session, tokens, features, n, params, verifier, generator, stats, held, chain)
             if len(tree) == 1:
                 continue
             stats.draft_sources[index] += 1
@@ -348,24 +337,6 @@ def grow_within(session, tokens, features, n, params, verifier, generator, stats
     (a plugin written before it existed) drafts its own depth and the tree is cut. ``chain``: the
     caller keeps only the tree's first line, so a session whose ``grow`` takes ``chain`` drafts
     that line alone (others draft their tree, and the caller cuts it)."""
-    return run_alone(grow_within_steps(session, tokens, features, n, params, verifier, generator, stats, depth,
-                                       chain))
-
-
-def grow_within_steps(session, tokens, features, n, params, verifier, generator, stats,
-                      depth: int | None, chain: bool = False):
-    """:func:`grow_within` as a generator: a session with ``grow_steps`` (the built-in trained
-    drafter's, a composite's) hands each call of its drafter model over as a
-    :class:`~dynaspec.runtime.drafting.DraftPass`, for the caller to run alone or beside other
-    generations' (a server's batch); any other session's ``grow`` runs inside. Returns the tree."""
-    steps = getattr(session, "grow_steps", None)
-    if steps is not None:  # the built-in sessions: they take depth and chain
-        return (yield from steps(tokens, features, n, params, verifier, generator, stats, depth=depth, chain=chain))
-    return _grow_within(session, tokens, features, n, params, verifier, generator, stats, depth, chain)
-
-
-def _grow_within(session, tokens, features, n, params, verifier, generator, stats,
-                 depth: int | None, chain: bool) -> DraftTree:
     takes = _TAKES.get(type(session))
     if takes is None:
         params_of = inspect.signature(session.grow).parameters

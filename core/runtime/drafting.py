@@ -5,122 +5,20 @@ the backend multiplies the drafter's state by those rows only, and the verifier 
 children (greedy top-k, or draws for lossless sampling). A draft stops at ``draft.depth``, or
 earlier once the drafter's probability of its likeliest line falls below ``draft.min_confidence``;
 a tree (greedy) also keeps only the side lines it gives at least that probability.
-
-Each call of the drafter model is handed to the caller as a :class:`DraftPass` (the draft is a
-generator, :meth:`Drafting.grow_steps`): alone, it runs at once (:func:`run_alone`); a server that
-drafts for several requests runs their passes of one step together (:func:`run_draft_passes`: the
-drafter's products once over every request's rows, each request attending over its own cache).
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Generator, Sequence
 
-import attrs
 import torch
 
 from dynaspec.runtime.config import DraftConfig
 from dynaspec.runtime.drafter import Drafter
 from dynaspec.runtime.tree import DraftTree
 from dynaspec.runtime.types import DraftStep, Shortlist
-
-
-@attrs.define(eq=False)
-class DraftPass:
-    """One call of a neural drafter in a draft: the new rows ``emb`` [T, d] (token embeddings),
-    ``feats`` [T, f] (target features, or the drafter's own outputs) at ``positions`` [T], appended
-    to ``cache``; ``mask`` [T, cached + T] (None: causal); ``last``: only the last row's output is
-    read. Whoever runs it sets ``result`` [T, d] (``last``: [1, d]), ``seconds`` (the time of the call
-    that computed it, shared with the passes computed beside it) and ``share`` (its part of that time:
-    the seconds over the passes in the call), or ``error``."""
-
-    model: Any
-    emb: torch.Tensor
-    feats: torch.Tensor
-    positions: torch.Tensor
-    cache: Any
-    mask: torch.Tensor | None = None
-    last: bool = False
-    result: torch.Tensor | None = None
-    seconds: float = 0.0
-    share: float = 0.0
-    error: Exception | None = None
-
-    def output(self) -> torch.Tensor:
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-    def run(self) -> None:
-        """Compute it alone."""
-        start = time.perf_counter()
-        try:
-            self.result = _forward_alone(self)
-        except Exception as exc:  # noqa: BLE001 - handed to the draft that asked for it
-            self.error = exc
-        self.seconds = self.share = time.perf_counter() - start
-
-
-#: per drafter class: whether its forward takes ``last``
-_TAKES_LAST: dict[type, bool] = {}
-
-
-def _forward_alone(p: DraftPass) -> torch.Tensor:
-    model = p.model
-    takes = _TAKES_LAST.get(type(model))
-    if takes is None:
-        takes = _TAKES_LAST[type(model)] = "last" in inspect.signature(model.forward).parameters
-    if p.last:
-        # the rows before the last only enter the cache: a drafter without ``last`` (a plugin's
-        # model written before it existed) computes every row's output, and the last is kept
-        if takes:
-            return model(p.emb[None], p.feats[None], p.positions[None], cache=p.cache, last=True)[0]
-        return model(p.emb[None], p.feats[None], p.positions[None], cache=p.cache)[0][-1:]
-    return model(p.emb[None], p.feats[None], p.positions[None], cache=p.cache, mask=p.mask)[0]
-
-
-def run_alone(steps: Generator[DraftPass, None, Any]) -> Any:
-    """Drive a draft (a generator of :class:`DraftPass`), computing each pass at once, alone;
-    return what the draft returns (its tree)."""
-    try:
-        p = next(steps)
-        while True:
-            p.run()
-            p = steps.send(None)
-    except StopIteration as done:
-        return done.value
-
-
-def run_draft_passes(passes: Sequence[DraftPass]) -> None:
-    """Compute the passes of several drafts (each its own cache): those of a drafter model whose
-    ``batches_calls`` is true in one ``forward_many`` call per model (its products once over every
-    pass's rows), the others alone. A call that fails is retried pass by pass, so a failure stays
-    with its own pass."""
-    groups: dict[int, list[DraftPass]] = {}
-    for p in passes:
-        groups.setdefault(id(p.model), []).append(p)
-    for group in groups.values():
-        model = group[0].model
-        if len(group) == 1 or not getattr(model, "batches_calls", False):
-            for p in group:
-                p.run()
-            continue
-        lengths = [p.cache.length for p in group]
-        start = time.perf_counter()
-        try:
-            outs = model.forward_many([(p.emb, p.feats, p.positions, p.cache, p.mask, p.last) for p in group])
-        except Exception:  # noqa: BLE001 - find the pass that fails: each again alone
-            for p, length in zip(group, lengths):
-                p.cache.crop(length)
-                p.run()
-            continue
-        seconds = time.perf_counter() - start
-        for p, out in zip(group, outs):
-            p.result, p.seconds, p.share = out, seconds, seconds / len(group)
 
 
 def _propose_without_grad(shortlister, step: DraftStep, scheduler):
@@ -135,6 +33,9 @@ class Drafting:
         self.cfg, self.target, self.drafter = cfg, target, drafter
         self.shortlister, self.scheduler, self.backend = shortlister, scheduler, backend
         self._router_pool: ThreadPoolExecutor | None = None  # made on first use (router_overlap)
+        #: whether the drafter computes the last position's output alone (``last=True``; a plugin's
+        #: model written before it existed computes every position's)
+        self._last = "last" in inspect.signature(drafter.forward).parameters
         #: a drafter with a vocabulary of its own (EAGLE-3): the head row of each target id, or -1
         self._row_of: torch.Tensor | None = None
         if drafter.vocabulary is not None:
@@ -161,16 +62,7 @@ class Drafting:
              stats, context, depth: int | None = None, chain: bool = False) -> DraftTree:
         """Grow the draft tree below the root (the last committed token), at most ``depth``
         positions deep (``None``: the stack's ``draft.depth``); ``chain``: one node per depth
-        whatever ``draft.topk`` says (greedy: a batch verifies a granted request's first line only).
-        The drafter's calls run at once, alone (:meth:`grow_steps` hands them over)."""
-        return run_alone(self.grow_steps(fresh_tokens, fresh_features, root_pos, dcache, params, verifier,
-                                         generator, stats, context, depth, chain))
-
-    def grow_steps(self, fresh_tokens, fresh_features, root_pos, dcache, params, verifier, generator,
-                   stats, context, depth: int | None = None,
-                   chain: bool = False) -> Generator[DraftPass, None, DraftTree]:
-        """:meth:`grow`, yielding each call of the drafter model as a :class:`DraftPass` for the
-        caller to run (alone, or beside other drafts' passes) before resuming it; returns the tree."""
+        whatever ``draft.topk`` says (greedy: a batch verifies a granted request's first line only)."""
         cfg, target, drafter = self.cfg, self.target, self.drafter
         topk = 1 if chain and verifier.prunes else cfg.topk
         steps = cfg.depth if depth is None else max(1, min(cfg.depth, depth))
@@ -182,12 +74,11 @@ class Drafting:
         step = DraftStep(depth=0, tokens=fresh_tokens[-1:], token_embeddings=emb[-1:],
                          prev_hidden=feats[-1:], context=context)
         routing = self._start_routing(step)
-        # the positions before the last only enter the cache (the prompt at a first draft, the
-        # tokens committed since the last): their outputs are not needed
-        call = DraftPass(drafter, emb, feats, positions, dcache, last=True)
-        yield call
-        stats.times["draft_core"] += call.share
-        out = call.output()
+        with stats.timed("draft_core"):
+            # the positions before the last only enter the cache (the prompt at a first draft,
+            # the tokens committed since the last): their outputs are not needed
+            out = (drafter(emb[None], feats[None], positions[None], cache=dcache, last=True)[0] if self._last
+                   else drafter(emb[None], feats[None], positions[None], cache=dcache)[0][-1:])
         base = dcache.length
         tree = DraftTree.with_root(int(fresh_tokens[-1]))
         floor = math.log(cfg.min_confidence) if cfg.min_confidence > 0 else -math.inf
@@ -244,14 +135,12 @@ class Drafting:
                     mask[row, start + row] = True
             for row, node in enumerate(frontier):
                 slots[node] = start + row
-            positions = torch.full((len(frontier),), root_pos + 1 + depth, device=device)
+            positions = torch.full((1, len(frontier)), root_pos + 1 + depth, device=device)
             step = DraftStep(depth=depth + 1, tokens=toks, token_embeddings=emb, prev_hidden=feats,
                              context=context)
             routing = self._start_routing(step)
-            call = DraftPass(drafter, emb, feats, positions, dcache, mask=mask)
-            yield call
-            stats.times["draft_core"] += call.share
-            out = call.output()
+            with stats.timed("draft_core"):
+                out = drafter(emb[None], feats[None], positions, cache=dcache, mask=mask)[0]
         if routing:
             routing()  # a step that was routed but not drafted: finish it before returning
         dcache.crop(base)

@@ -19,8 +19,7 @@ from dynaspec.errors import ConfigError, InputError
 from dynaspec.runtime import numerics
 from dynaspec.runtime.config import StackConfig
 from dynaspec.runtime.drafter import Drafter
-from dynaspec.runtime.drafters import DrafterContext, DraftSource, build_drafter, grow_within_steps
-from dynaspec.runtime.drafting import DraftPass
+from dynaspec.runtime.drafters import DrafterContext, DraftSource, build_drafter, grow_within
 from dynaspec.runtime.gate import CostPlanner, DepthControl, DraftGate, PlainCost
 from dynaspec.runtime.protocols import DecodeParams, ShortlisterCapabilities, capabilities
 from dynaspec.runtime.q8 import argmax
@@ -303,14 +302,12 @@ class Engine:
 
     def stream_passes(self, prompt: str | Sequence[int] | torch.Tensor, *, stats: GenerationStats | None = None,
                       stop: Sequence[str] = (), control: DepthControl | None = None,
-                      **kwargs) -> Iterator["str | TargetPass | DraftPass"]:
+                      **kwargs) -> Iterator["str | TargetPass"]:
         """:meth:`stream`, handing each plain step or verification of the target to the caller as a
         :class:`~dynaspec.runtime.target.TargetPass` to run, alone or with other generations'
-        (:meth:`TargetModel.forward_many`), and each call of a neural drafter as a
-        :class:`~dynaspec.runtime.drafting.DraftPass` (alone: its ``run``; with other generations':
-        :func:`~dynaspec.runtime.drafting.run_draft_passes`), before taking the next item: text
-        pieces and passes. The prefill runs inside. This is how a server drafts and verifies several
-        requests together; ``control`` lets it set each cycle's draft depth (see :class:`DepthControl`)."""
+        (:meth:`TargetModel.forward_many`), before taking the next item: text pieces and passes.
+        The prefill runs inside. This is how a server verifies several requests in one pass;
+        ``control`` lets it set each cycle's draft depth (see :class:`DepthControl`)."""
         _, run = self._start(prompt, kwargs.get("max_new_tokens"), kwargs.get("temperature"),
                              kwargs.get("top_p"), kwargs.get("seed"))
         stats = stats if stats is not None else GenerationStats()
@@ -320,7 +317,7 @@ class Engine:
         hold = max((len(s) for s in stop), default=1) - 1
         start = time.perf_counter()
         for chunk in run(stats, control):
-            if isinstance(chunk, (TargetPass, DraftPass)):
+            if isinstance(chunk, TargetPass):
                 yield chunk
                 continue
             new.extend(chunk)
@@ -350,12 +347,10 @@ class Engine:
 
     # -- the loops --------------------------------------------------------------------------------
     def _solo(self, items: Iterator) -> Iterator:
-        """Run the target passes and drafter calls a loop hands over (see :meth:`stream_passes`) at
-        once, one by one; pass everything else through: a generation alone."""
+        """Run the target passes a loop hands over (see :meth:`stream_passes`) at once, one by one;
+        pass everything else through: a generation alone."""
         for item in items:
-            if isinstance(item, DraftPass):
-                item.run()
-            elif isinstance(item, TargetPass):
+            if isinstance(item, TargetPass):
                 start = time.perf_counter()
                 self.target.forward_many([item], strict=self.strict)
                 item.seconds = time.perf_counter() - start
@@ -528,24 +523,11 @@ class Engine:
                 # siblings would be rows it did not grant, so a granted request drafts its first
                 # line alone (greedy: any line is exact), and a plugin's tree is cut to it
                 granted = control is not None and control.limit is not None and verifier.prunes
-                # the drafter's calls go to the caller (a server runs a batch's together): this
-                # generation's drafting time is its own work plus its share of those calls
-                steps = grow_within_steps(session, tokens, features, n, params, verifier, generator, stats, limit,
-                                          chain=granted)
-                mark = started
-                try:
-                    call = next(steps)
-                    while True:
-                        draft_seconds += time.perf_counter() - mark
-                        yield call
-                        draft_seconds += call.share
-                        mark = time.perf_counter()
-                        call = steps.send(None)
-                except StopIteration as done:
-                    tree = done.value
-                draft_seconds += time.perf_counter() - mark
+                tree = grow_within(session, tokens, features, n, params, verifier, generator, stats, limit,
+                                   chain=granted)
                 if granted:
                     tree = tree.line()
+                draft_seconds = time.perf_counter() - started
             else:
                 tree = DraftTree.with_root(int(tokens[root_pos]))
             with stats.verification():

@@ -6,11 +6,9 @@ pieces as they are generated, then the end (finish reason and statistics) or an 
 runs on one worker thread, so the loop keeps answering (health, metrics, new requests) while it
 generates.
 
-Each cycle, every active request drafts (its own caches, drafter state, shortlists and random
-generator), its drafter's calls of each draft step beside the other requests' (the drafter's
-products once over all their rows, each request attending over its own drafter cache:
-:func:`~dynaspec.runtime.drafting.run_draft_passes`), up to its next plain step or verification,
-and all those passes go through the target together (:meth:`TargetModel.forward_many`: the products once over all the rows, each
+Each cycle, every active request drafts on its own (its own caches, drafter state, shortlists and
+random generator) up to its next plain step or verification, and all those passes go through the
+target together (:meth:`TargetModel.forward_many`: the products once over all the rows, each
 request attending over its own cache). The target's kernels compute every row as they would alone,
 so each request's output is what it gives alone. New requests join between cycles (their prefill
 runs when they join) and finished ones leave. A job whose client went away is cancelled: it leaves
@@ -31,7 +29,6 @@ from typing import Any, Iterator, Sequence
 
 import attrs
 
-from dynaspec.runtime.drafting import DraftPass, run_draft_passes
 from dynaspec.runtime.gate import DepthControl
 from dynaspec.runtime.stats import GenerationStats
 from dynaspec.runtime.target import TargetPass
@@ -153,27 +150,16 @@ class Worker:
                     self.metrics.draft_limit.observe(self.planner.max_depth if limit is None else limit)
             cycle = time.perf_counter()
             joined = any(a.fresh for a in active)
-            steps = {}
+            passes = []
             for entry in list(active):
                 step = self._advance(entry)
                 entry.fresh = False
                 if step is None:
-                    self._leave(entry, active)
+                    active.remove(entry)
+                    if self.planner is not None:
+                        self.planner.retire(entry.control)
                 else:
-                    steps[entry] = step
-            while True:  # the drafts, step by step: each step's drafter calls of every request together
-                drafting = [entry for entry, step in steps.items() if isinstance(step, DraftPass)]
-                if not drafting:
-                    break
-                run_draft_passes([steps[entry] for entry in drafting])
-                for entry in drafting:
-                    step = self._advance(entry)
-                    if step is None:
-                        del steps[entry]
-                        self._leave(entry, active)
-                    else:
-                        steps[entry] = step
-            passes = list(steps.values())
+                    passes.append(step)
             if passes:
                 self.metrics.batch_size.observe(len(passes))
                 started = time.perf_counter()
@@ -192,12 +178,6 @@ class Worker:
                 self.running = []
                 self.metrics.running.set(0)
 
-    def _leave(self, entry: _Active, active: list[_Active]) -> None:
-        """A request has left the batch (finished, failed or cancelled)."""
-        active.remove(entry)
-        if self.planner is not None:
-            self.planner.retire(entry.control)
-
     def _begin(self, job: Job) -> _Active:
         control = DepthControl()
         items = self.engine.stream_passes(job.prompt_ids, stats=job.stats, stop=job.stop, control=control,
@@ -206,8 +186,8 @@ class Worker:
         return _Active(job, items, control)
 
     def _advance(self, entry: _Active):
-        """Run ``entry``'s generation to its next target pass or drafter call (None: it has left:
-        finished, failed or cancelled), handing its text to its client."""
+        """Run ``entry``'s generation to its next target pass (None: it has left: finished, failed
+        or cancelled), handing its text to its client."""
         job, stats = entry.job, entry.job.stats
         try:
             if job.cancelled.is_set():
@@ -216,7 +196,7 @@ class Worker:
                 self.metrics.record(stats, len(job.prompt_ids))
                 return None
             for item in entry.items:
-                if isinstance(item, (TargetPass, DraftPass)):
+                if isinstance(item, TargetPass):
                     return item
                 job.emit("text", item)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the server
