@@ -5,12 +5,9 @@ once into a :class:`dynaspec.serving.worker.Worker` with the given max batch; th
 after the other, alternating for ``--rounds``. Per run: aggregate tokens/s, the target's passes
 (count, seconds, requests' rows and all rows), the prefills' seconds and the rest of the engine
 thread. ``--hold`` makes the batch planner grant no draft positions (probes and a request alone
-still draft), to see what speculation costs a batch that does not draft. ``--draft-calls together
-alone`` runs each stack both ways: a draft step's drafter calls of every request in one call
-(the server's way) and each request's alone (as before session 35), side by side.
+still draft), to see what speculation costs a batch that does not draft.
 
     python scripts/serve_engine_load.py --stacks default qwen-baseline --requests 16 --max-batch 8
-    python scripts/serve_engine_load.py --stacks default --draft-calls together alone --max-batch 4 --rounds 2
 """
 
 from __future__ import annotations
@@ -38,13 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--hold", action="store_true", help="the batch planner grants no draft positions")
-    parser.add_argument("--draft-calls", nargs="+", choices=["together", "alone"], default=["together"],
-                        help="run each stack with a batch's drafter calls together, alone, or both")
     args = parser.parse_args(argv)
 
     import torch
 
-    from dynaspec.runtime.drafter import Drafter
     from dynaspec.runtime.engine import Engine
     from dynaspec.serving import planner
     from dynaspec.serving.metrics import Metrics
@@ -57,11 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     engines = dict(zip(args.stacks, Engine.from_stacks(args.stacks)))
     texts = [p["text"] for p in itertools.islice(data.training_prompts(), args.first, args.first + args.requests)]
 
-    batches = Drafter.batches_calls
-
-    def run(name: str, calls: str) -> None:
+    def run(name: str) -> None:
         engine = engines[name]
-        Drafter.batches_calls = batches if calls == "together" else property(lambda self: False)
         target = engine.target
         seen = {"passes": 0, "seconds": 0.0, "requests": 0, "rows": 0}
         forward_many = target.forward_many
@@ -89,18 +80,15 @@ def main(argv: list[str] | None = None) -> int:
             wall = time.perf_counter() - start
         finally:
             del target.forward_many
-            Drafter.batches_calls = batches
         tokens = sum(j.stats.new_tokens for j in jobs)
         prefill = sum(j.stats.times.get("prefill", 0.0) for j in jobs)
-        label = name if len(args.draft_calls) == 1 else f"{name} (drafter calls {calls})"
-        print(f"{label}: {tokens / wall:.2f} tokens/s ({tokens} in {wall:.2f} s); passes {seen['passes']} "
+        print(f"{name}: {tokens / wall:.2f} tokens/s ({tokens} in {wall:.2f} s); passes {seen['passes']} "
               f"({seen['seconds']:.2f} s, {seen['requests']} requests' rows, {seen['rows']} rows); prefills "
               f"{prefill:.2f} s; the rest {wall - seen['seconds'] - prefill:.2f} s", flush=True)
 
-    for round_ in range(args.rounds):
+    for _ in range(args.rounds):
         for name in args.stacks:
-            for calls in (args.draft_calls if round_ % 2 == 0 else args.draft_calls[::-1]):
-                run(name, calls)
+            run(name)
     return 0
 
 
