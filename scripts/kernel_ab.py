@@ -3,10 +3,11 @@ side: the same questions, alternating which runs first, every output checked equ
 epilogue``: bfloat16 outputs written by the tiles' epilogue itself, against float32 outputs
 converted by torch afterwards; ``--switch pairs``: groups of 16 rows in pairs (each weight tile
 serving both), against one group at a time. Prints the median decoding step and the prefills'
-total for each, and the median per-question ratio of steps.
+total for each, and the median per-question ratio of steps. ``--lengths``: instead, the target's
+prefill of token sequences of those lengths (median of 9 passes each way), the ratio per length.
 
     python scripts/kernel_ab.py --switch epilogue --stack qwen-baseline
-    python scripts/kernel_ab.py --switch pairs --stack qwen-baseline --prefill-only
+    python scripts/kernel_ab.py --switch pairs --stack qwen-baseline --lengths 32 64 128 201 333
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--switch", choices=["epilogue", "pairs"], default="epilogue")
     parser.add_argument("--prefill-only", action="store_true", help="generate one token (time the prefills)")
+    parser.add_argument("--lengths", type=int, nargs="+", help="time prefills of these many tokens instead")
     args = parser.parse_args(argv)
 
     import torch
@@ -36,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     engine = Engine.from_stack(args.stack)
+    if args.lengths:
+        return _prefills(engine.target, args, q8)
     with open(args.questions) as f:
         prompts = [json.loads(line)["turns"][0] for line in f if line.strip()][:args.count]
     engine.generate("Hello", max_new_tokens=8)
@@ -67,6 +71,40 @@ def main(argv: list[str] | None = None) -> int:
     ratio = statistics.median(o / n for o, n in zip(steps[old], steps[new])) if not args.prefill_only else float("nan")
     print(f"step {old} / {new} (median over {len(steps[new])} generations): {ratio:.3f}; "
           f"prefills {prefills[old] / prefills[new]:.3f}; every output identical")
+    return 0
+
+
+def _prefills(target, args, q8) -> int:
+    import time
+
+    import torch
+
+    new, old = ("epilogue", "converted") if args.switch == "epilogue" else ("pairs", "alone")
+    print(f"| prompt tokens | {new}, ms | {old}, ms | {old} / {new} |")
+    print("|---|---|---|---|")
+    for n in args.lengths:
+        ids = torch.arange(1000, 1000 + n) % target.vocab_size
+        times: dict[bool, list[float]] = {True: [], False: []}
+        outs = {}
+        for round_ in range(3):
+            for on in ((True, False) if round_ % 2 == 0 else (False, True)):
+                if args.switch == "epilogue":
+                    q8.BF16_EPILOGUE = on
+                else:
+                    q8.set_amx_pairs(on)
+                for _ in range(3):
+                    start = time.perf_counter()
+                    hidden = target.forward(ids, torch.arange(n), target.new_cache())
+                    times[on].append(time.perf_counter() - start)
+                    if not torch.equal(outs.setdefault(on, hidden), hidden):
+                        raise SystemExit("a prefill gave other hidden states on a second pass")
+        q8.BF16_EPILOGUE = True
+        q8.set_amx_pairs(True)
+        if not torch.equal(outs[True], outs[False]):
+            raise SystemExit(f"the two ways gave other hidden states at {n} tokens")
+        a, b = statistics.median(times[True]), statistics.median(times[False])
+        print(f"| {n} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.3f} |")
+    print("the hidden states of both ways identical at every length")
     return 0
 
 
