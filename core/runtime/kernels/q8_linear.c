@@ -699,8 +699,6 @@ static void amx_configure(int mb) {
     _tile_loadconfig(&cfg);
 }
 
-/* y rows m0..m0+mb of outputs n0..n0+64 (those below N) from the int32 sums s [mb][64], as
- * rows_block_u8 computes them: (float)((double)(dot - 128 * wsum) * (double)sx * (double)scale) + bias */
 /* 8 float32 outputs as bfloat16, rounded to nearest even (torch's conversion; NaN: 0x7fc0) */
 static inline void store8_bf16(uint16_t *dst, __mmask8 live, __m256 v) {
     const __m256i u = _mm256_castps_si256(v);
@@ -710,6 +708,9 @@ static inline void store8_bf16(uint16_t *dst, __mmask8 live, __m256 v) {
     _mm_mask_storeu_epi16(dst, live, _mm256_cvtepi32_epi16(r));
 }
 
+/* y rows m0..m0+mb of outputs n0..n0+width (those below N) from the int32 sums s [mb][width], as
+ * rows_block_u8 computes them: (float)((double)(dot - 128 * wsum) * (double)sx * (double)scale) + bias
+ * (ybf: stored as bfloat16) */
 static void amx_finish(const int32_t *s, const float *sx, int64_t m0, int mb, const int32_t *wsum,
                        const float *scale, const float *bias, int64_t N, float *y, int64_t n0, int width,
                        int ybf) {
