@@ -16,6 +16,19 @@ import argparse
 import json
 import statistics
 
+#: each switch's two ways, the change's first
+NAMES = {"epilogue": ("epilogue", "converted"), "pairs": ("pairs", "alone")}
+
+
+def _switch(which: str, on: bool) -> None:
+    """Turn the kernel change ``which`` on or off (the kernel's outputs are the same bits either way)."""
+    from dynaspec.runtime import q8
+
+    if which == "epilogue":
+        q8.BF16_EPILOGUE = on
+    else:
+        q8.set_amx_pairs(on)
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -34,23 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from dynaspec import Engine
-    from dynaspec.runtime import q8
 
     torch.set_num_threads(args.threads)
     engine = Engine.from_stack(args.stack)
     if args.lengths:
-        return _prefills(engine.target, args, q8)
+        return _prefills(engine.target, args)
     with open(args.questions) as f:
         prompts = [json.loads(line)["turns"][0] for line in f if line.strip()][:args.count]
     engine.generate("Hello", max_new_tokens=8)
-    new, old = ("epilogue", "converted") if args.switch == "epilogue" else ("pairs", "alone")
-
-    def switch(on: bool) -> None:
-        if args.switch == "epilogue":
-            q8.BF16_EPILOGUE = on
-        else:
-            q8.set_amx_pairs(on)
-
+    new, old = NAMES[args.switch]
     steps = {new: [], old: []}
     prefills = {new: 0.0, old: 0.0}
     outputs = {}
@@ -59,13 +64,13 @@ def main(argv: list[str] | None = None) -> int:
         for prompt in prompts:
             order = (new, old) if round_ % 2 == 0 else (old, new)
             for name in order:
-                switch(name == new)
+                _switch(args.switch, name == new)
                 r = engine.generate(prompt, max_new_tokens=tokens)
                 if outputs.setdefault(prompt, r.token_ids) != r.token_ids:
                     raise SystemExit(f"outputs differ ({name}) on {prompt[:60]!r}")
                 steps[name].append((r.stats.wall_time - r.stats.times["prefill"]) / max(1, r.stats.new_tokens - 1))
                 prefills[name] += r.stats.times["prefill"]
-    switch(True)
+    _switch(args.switch, True)
     for name in steps:
         print(f"{name}: median step {statistics.median(steps[name]) * 1e3:.2f} ms, prefills {prefills[name]:.3f} s")
     ratio = statistics.median(o / n for o, n in zip(steps[old], steps[new])) if not args.prefill_only else float("nan")
@@ -74,12 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _prefills(target, args, q8) -> int:
+def _prefills(target, args) -> int:
     import time
 
     import torch
 
-    new, old = ("epilogue", "converted") if args.switch == "epilogue" else ("pairs", "alone")
+    new, old = NAMES[args.switch]
     print(f"| prompt tokens | {new}, ms | {old}, ms | {old} / {new} |")
     print("|---|---|---|---|")
     for n in args.lengths:
@@ -88,18 +93,14 @@ def _prefills(target, args, q8) -> int:
         outs = {}
         for round_ in range(3):
             for on in ((True, False) if round_ % 2 == 0 else (False, True)):
-                if args.switch == "epilogue":
-                    q8.BF16_EPILOGUE = on
-                else:
-                    q8.set_amx_pairs(on)
+                _switch(args.switch, on)
                 for _ in range(3):
                     start = time.perf_counter()
                     hidden = target.forward(ids, torch.arange(n), target.new_cache())
                     times[on].append(time.perf_counter() - start)
                     if not torch.equal(outs.setdefault(on, hidden), hidden):
                         raise SystemExit("a prefill gave other hidden states on a second pass")
-        q8.BF16_EPILOGUE = True
-        q8.set_amx_pairs(True)
+        _switch(args.switch, True)
         if not torch.equal(outs[True], outs[False]):
             raise SystemExit(f"the two ways gave other hidden states at {n} tokens")
         a, b = statistics.median(times[True]), statistics.median(times[False])
