@@ -208,6 +208,78 @@ def test_compiled_attention_reads_a_line_as_if_it_followed_the_context():
         q8.attend(q, keys, values, (), 0.125, lines=[[12]], base=12)
 
 
+@pytest.fixture(params=[True, False], ids=["tiles", "vector"])
+def attention_way(request):
+    """bfloat16 attention on AMX tiles, then on the AVX-512 vector code (restored afterwards)."""
+    from dynaspec.runtime import q8
+
+    if q8.available() is not None or not q8.attention_available(64):
+        pytest.skip("the compiled attention runs vectorised with AVX-512 only")
+    if request.param and not q8.attention_on_tiles():
+        pytest.skip("no AMX tiles here (or turned off)")
+    q8.set_amx_attend(request.param)
+    yield request.param
+    q8.set_amx_attend(True)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (4, 1, 256), (8, 8, 128)])
+def test_bfloat16_attention_either_way_is_batch_invariant_and_attention(attention_way, heads, kv_heads, head_dim):
+    """bfloat16 rows, on the AMX tiles and on the vector code: a chain's rows together equal each
+    row alone, a tree's rows (lines scattered past the context, which starts mid-block) equal their
+    plain steps over the line laid out, within a window too; every row within bfloat16's rounding
+    of float64 attention. Contexts of 1 to 150 keys cross the tiles' blocks of 16, 32 and 64 keys."""
+    import torch.nn.functional as F
+
+    from dynaspec.runtime import q8
+
+    gen = torch.Generator().manual_seed(11)
+    buffer = torch.randn(2, 1, kv_heads, 200, head_dim, generator=gen).to(torch.bfloat16)
+    keys, values = buffer[0], buffer[1]
+    scale = head_dim ** -0.5
+    q = (2 * torch.randn(6, heads, head_dim, generator=gen)).to(torch.bfloat16)
+    for ends in ([1, 2, 3, 4, 5, 6], [60, 61, 62, 63, 64, 65], [145, 146, 147, 148, 149, 150]):
+        for window in (None, 37):
+            got = q8.attend(q, keys, values, ends, scale, window)
+            alone = torch.cat([q8.attend(q[i:i + 1], keys, values, [e], scale, window) for i, e in enumerate(ends)])
+            assert torch.equal(got, alone)
+            for i, end in enumerate(ends):
+                start = max(0, end - window) if window else 0
+                rows = q[i].double().view(1, kv_heads, heads // kv_heads, head_dim)
+                want = F.scaled_dot_product_attention(rows, keys[:, :, start:end].double(),
+                                                      values[:, :, start:end].double(), scale=scale).reshape(1, -1)
+                torch.testing.assert_close(got[i:i + 1].double(), want, rtol=1e-2, atol=1e-2)
+    base = 101  # the context's end, mid-block
+    # the third line fills a whole block of 16 keys past the context: read through the line, not in place
+    lines = [[101, 120, 150], [101, 199], [101, *range(130, 170, 2), 198], [101], [101, 155], [101, 188]]
+    for window in (None, 40):
+        got = q8.attend(q, keys, values, (), scale, window, lines=lines, base=base)
+        for i, line in enumerate(lines):
+            order = [*range(base), *line]
+            laid_k, laid_v = keys[:, :, order].contiguous(), values[:, :, order].contiguous()
+            assert torch.equal(got[i:i + 1], q8.attend(q[i:i + 1], laid_k, laid_v, [len(order)], scale, window))
+
+
+def test_the_two_bfloat16_attentions_are_two_roundings_of_one():
+    """The tiles' attention (weights rounded to bfloat16 for the values' products) and the vector
+    code's (float32 weights) differ by rounding only: within two bfloat16 steps of each other."""
+    from dynaspec.runtime import q8
+
+    if q8.available() is not None or not q8.attention_on_tiles():
+        pytest.skip("no AMX tiles here (or turned off)")
+    gen = torch.Generator().manual_seed(5)
+    keys, values = torch.randn(2, 1, 2, 300, 64, generator=gen).to(torch.bfloat16)
+    q = (2 * torch.randn(4, 14, 64, generator=gen)).to(torch.bfloat16)
+    ends = [297, 298, 299, 300]
+    try:
+        tiles = q8.attend(q, keys, values, ends, 0.125)
+        q8.set_amx_attend(False)
+        vector = q8.attend(q, keys, values, ends, 0.125)
+    finally:
+        q8.set_amx_attend(True)
+    assert not torch.equal(tiles, vector)  # two roundings, not one code path
+    torch.testing.assert_close(tiles.float(), vector.float(), rtol=2 ** -7, atol=2 ** -9)
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (8, 8, 128), (4, 1, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_attention_is_attention(heads, kv_heads, head_dim, dtype):

@@ -116,7 +116,7 @@ def test_rows_do_not_depend_on_the_row_count(shape, dtype, level, mode):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_int8_activations_compute_exactly_what_the_docstring_says(shape, dtype):
     # row by row in torch: int8 activations (scale = largest magnitude / 127, rounded to even),
-    # the exact integer sum, scaled in float64, rounded to float32, the bias added in float32
+    # the exact integer sum rounded to float32, then scaled and the bias added in float32
     if "int8" not in q8.modes():
         pytest.skip("8-bit activations need AVX-512 VNNI")
     weight, bias, x = _case(*shape, seed=3)
@@ -130,7 +130,7 @@ def test_int8_activations_compute_exactly_what_the_docstring_says(shape, dtype):
     xq = torch.round(xf * inv).clamp(-127, 127).double()
     q = (kernel.quantised_weight() / kernel.scale[:, None]).round().double()
     dot = xq @ q.T  # exact: integers far below 2^53
-    want = ((dot * (amax / 127.0).double()) * kernel.scale.double()[None, :]).float() + bias
+    want = dot.float() * (amax / 127.0) * kernel.scale[None, :] + bias
     assert torch.equal(kernel(x), want.to(dtype))
 
 

@@ -49,6 +49,23 @@ def set_amx_pairs(on: bool, level: str | None = None) -> None:
     default; a product over many rows, a prefill, reads the weights from the cache half as often),
     or one by one; the same outputs either way (for side-by-side timing)."""
     _library(level).q8_set_amx_pairs(int(on))
+
+
+def set_amx_attend(on: bool, level: str | None = None) -> None:
+    """Whether :func:`attend` runs bfloat16 rows on AMX tiles where the processor has them (the
+    default: a row over 400 keys in about half the time) or on the AVX-512 vector code. The two are
+    two roundings of the same attention (the tiles round the softmax weights to bfloat16 for the
+    values' products), each batch-invariant; the choice holds for the whole process, so plain steps
+    and verifications always run under the same one (for side-by-side runs;
+    ``$DYNASPEC_Q8_AMX_ATTEND=0``, or ``$DYNASPEC_Q8_AMX=0`` with the products, turns it off)."""
+    _library(level).q8_set_amx_attend(int(on))
+
+
+def attention_on_tiles(level: str | None = None) -> bool:
+    """Whether :func:`attend` runs bfloat16 rows on AMX tiles here."""
+    return bool(_library(level).q8_attend_amx())
+
+
 #: the instruction sets the kernel can be built for: the processor's best (``native``), or lower,
 #: to run and test its other code paths here (``$DYNASPEC_Q8_ISA`` chooses for a process)
 LEVELS = {"native": (), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
@@ -133,7 +150,11 @@ def _library_for(level: str) -> ctypes.CDLL:
     lib.q8_set_amx_pairs.restype = None
     lib.q8_set_amx_pairs.argtypes = [ctypes.c_int]
     lib.q8_amx_max_k.restype = ctypes.c_int64
-    lib.q8_attend_vector.restype = ctypes.c_int
+    lib.q8_attend_vector.restype = lib.q8_attend_amx.restype = ctypes.c_int
+    lib.q8_set_amx_attend.restype = None
+    lib.q8_set_amx_attend.argtypes = [ctypes.c_int]
+    if "0" in (os.environ.get("DYNASPEC_Q8_AMX", "1"), os.environ.get("DYNASPEC_Q8_AMX_ATTEND", "1")):
+        lib.q8_set_amx_attend(0)
     lib.q8_attend.restype = ctypes.c_int
     lib.q8_attend.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 5, ctypes.c_void_p, ctypes.c_void_p,
                               ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,

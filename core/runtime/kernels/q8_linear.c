@@ -466,8 +466,9 @@ static void tile_u8_any(const uint8_t *x, int64_t Kp, const int8_t *p, int mb, _
     }
 }
 
-/* y[m, n] = (float)((double)(dot - 128 * wsum[n]) * (double)sx[m] * (double)scale[n]) + bias[n],
- * four outputs at once (the same IEEE operations, in the same order, as one at a time) */
+/* y[m, n] = (float)(dot - 128 * wsum[n]) * sx[m] * scale[n] + bias[n] in float32 (the exact integer
+ * rounded to float once, then the products and the sum left to right), four outputs at once (the
+ * same IEEE operations, in the same order, as one at a time) */
 static void rows_block_u8(const uint8_t *xq, const float *sx, int64_t M, int64_t Kp, const int8_t *packed,
                           const int32_t *wsum, const float *scale, const float *bias, int64_t N, float *y,
                           int64_t b) {
@@ -476,15 +477,15 @@ static void rows_block_u8(const uint8_t *xq, const float *sx, int64_t M, int64_t
     const int8_t *p = packed + b * NB * Kp;
     const __mmask8 live = (__mmask8)((1u << nb) - 1u); /* the last tile may hold fewer than NB rows */
     const __m256i offset = _mm256_slli_epi64(_mm256_cvtepi32_epi64(_mm_maskz_loadu_epi32(live, wsum + n0)), 7);
-    const __m256d sw = _mm256_cvtps_pd(_mm_maskz_loadu_ps(live, scale + n0));
+    const __m128 sw = _mm_maskz_loadu_ps(live, scale + n0);
     const __m128 bv = bias ? _mm_maskz_loadu_ps(live, bias + n0) : _mm_setzero_ps();
     __m256i sums[U8MB];
     for (int64_t m0 = 0; m0 < M; m0 += U8MB) {
         const int mb = (int)(M - m0 < U8MB ? M - m0 : U8MB);
         tile_u8_any(xq + m0 * Kp, Kp, p, mb, sums);
         for (int i = 0; i < mb; i++) {
-            const __m256d dot = _mm256_cvtepi64_pd(_mm256_sub_epi64(sums[i], offset));
-            __m128 v = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_mul_pd(dot, _mm256_set1_pd((double)sx[m0 + i])), sw));
+            const __m128 dot = _mm256_cvtepi64_ps(_mm256_sub_epi64(sums[i], offset));
+            __m128 v = _mm_mul_ps(_mm_mul_ps(dot, _mm_set1_ps(sx[m0 + i])), sw);
             if (bias) v = _mm_add_ps(v, bv);
             _mm_mask_storeu_ps(y + (m0 + i) * N + n0, live, v);
         }
@@ -525,7 +526,7 @@ static void tile_u8c_any(const uint8_t *x, int64_t xs, int64_t klen, const int8_
     }
 }
 
-/* y[m, n] = (float)((double)(dot - 128 * wsum[n]) * (double)sx[m] * (double)scale[n]) + bias[n] for
+/* y[m, n] = (float)(dot - 128 * wsum[n]) * sx[m] * scale[n] + bias[n] (in float32) for
  * the mb rows from m0 and tile b, four outputs at once (the same IEEE operations, in the same order,
  * as one at a time) */
 static void finish_u8(const __m256i *sums, const float *sx, int64_t m0, int mb, const int32_t *wsum,
@@ -534,11 +535,11 @@ static void finish_u8(const __m256i *sums, const float *sx, int64_t m0, int mb, 
     const int nb = (int)(N - n0 < NB ? N - n0 : NB);
     const __mmask8 live = (__mmask8)((1u << nb) - 1u); /* the last tile may hold fewer than NB rows */
     const __m256i offset = _mm256_slli_epi64(_mm256_cvtepi32_epi64(_mm_maskz_loadu_epi32(live, wsum + n0)), 7);
-    const __m256d sw = _mm256_cvtps_pd(_mm_maskz_loadu_ps(live, scale + n0));
+    const __m128 sw = _mm_maskz_loadu_ps(live, scale + n0);
     const __m128 bv = bias ? _mm_maskz_loadu_ps(live, bias + n0) : _mm_setzero_ps();
     for (int i = 0; i < mb; i++) {
-        const __m256d dot = _mm256_cvtepi64_pd(_mm256_sub_epi64(sums[i], offset));
-        __m128 v = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_mul_pd(dot, _mm256_set1_pd((double)sx[m0 + i])), sw));
+        const __m128 dot = _mm256_cvtepi64_ps(_mm256_sub_epi64(sums[i], offset));
+        __m128 v = _mm_mul_ps(_mm_mul_ps(dot, _mm_set1_ps(sx[m0 + i])), sw);
         if (bias) v = _mm_add_ps(v, bv);
         _mm_mask_storeu_ps(y + (m0 + i) * N + n0, live, v);
     }
@@ -666,7 +667,7 @@ void q8_linear_u8(const void *x, int bf16, int64_t M, int64_t K, int64_t Kp, con
  * 64 outputs: block b, step s (64 columns) holds four 1 KB tiles, one per 16 outputs, each
  * [16 column quads][16 outputs][4 columns] (the layout tdpbusd's second operand reads), so a block
  * streams its weights in one sequential pass. N is padded to a multiple of 64 with zero rows. */
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512DQ__) && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512DQ__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define Q8_AMX 1
@@ -699,35 +700,32 @@ static void amx_configure(int mb) {
     _tile_loadconfig(&cfg);
 }
 
-/* 8 float32 outputs as bfloat16, rounded to nearest even (torch's conversion; NaN: 0x7fc0) */
-static inline void store8_bf16(uint16_t *dst, __mmask8 live, __m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-    r = _mm256_mask_blend_epi32(_mm256_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm256_set1_epi32(0x7fc0));
-    _mm_mask_storeu_epi16(dst, live, _mm256_cvtepi32_epi16(r));
+/* 16 float32 outputs as bfloat16, rounded to nearest even (torch's conversion; NaN: 0x7fc0) */
+static inline void store16_bf16(uint16_t *dst, __mmask16 live, __m512 v) {
+    __m256i r = (__m256i)_mm512_cvtneps_pbh(v);
+    r = _mm256_mask_blend_epi16(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm256_set1_epi16(0x7fc0));
+    _mm256_mask_storeu_epi16(dst, live, r);
 }
 
 /* y rows m0..m0+mb of outputs n0..n0+width (those below N) from the int32 sums s [mb][width], as
- * rows_block_u8 computes them: (float)((double)(dot - 128 * wsum) * (double)sx * (double)scale) + bias
- * (ybf: stored as bfloat16) */
+ * rows_block_u8 computes them: (float)(dot - 128 * wsum) * sx * scale + bias in float32, 16 outputs at
+ * once (ybf: stored as bfloat16, rounded to nearest even as torch converts) */
 static void amx_finish(const int32_t *s, const float *sx, int64_t m0, int mb, const int32_t *wsum,
                        const float *scale, const float *bias, int64_t N, float *y, int64_t n0, int width,
                        int ybf) {
-    for (int64_t j = 0; j < width; j += 8) {
+    for (int64_t j = 0; j < width; j += 16) {
         const int64_t n = n0 + j;
         if (n >= N) break;
-        const __mmask8 live = (__mmask8)(N - n >= 8 ? 0xff : (1u << (N - n)) - 1u);
-        const __m512i offset = _mm512_slli_epi64(_mm512_cvtepi32_epi64(_mm256_maskz_loadu_epi32(live, wsum + n)), 7);
-        const __m512d sw = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(live, scale + n));
-        const __m256 bv = bias ? _mm256_maskz_loadu_ps(live, bias + n) : _mm256_setzero_ps();
+        const __mmask16 live = (__mmask16)(N - n >= 16 ? 0xffff : (1u << (N - n)) - 1u);
+        const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(live, wsum + n), 7);
+        const __m512 sw = _mm512_maskz_loadu_ps(live, scale + n);
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(live, bias + n) : _mm512_setzero_ps();
         for (int i = 0; i < mb; i++) {
-            const __m512i dot = _mm512_cvtepi32_epi64(_mm256_loadu_si256((const __m256i *)(s + i * width + j)));
-            const __m512d d = _mm512_cvtepi64_pd(_mm512_sub_epi64(dot, offset));
-            __m256 v = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_mul_pd(d, _mm512_set1_pd((double)sx[m0 + i])), sw));
-            if (bias) v = _mm256_add_ps(v, bv);
-            if (ybf) store8_bf16((uint16_t *)y + (m0 + i) * N + n, live, v);
-            else _mm256_mask_storeu_ps(y + (m0 + i) * N + n, live, v);
+            const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512((const void *)(s + i * width + j)), offset));
+            __m512 v = _mm512_mul_ps(_mm512_mul_ps(d, _mm512_set1_ps(sx[m0 + i])), sw);
+            if (bias) v = _mm512_add_ps(v, bv);
+            if (ybf) store16_bf16((uint16_t *)y + (m0 + i) * N + n, live, v);
+            else _mm512_mask_storeu_ps(y + (m0 + i) * N + n, live, v);
         }
     }
 }
@@ -1100,6 +1098,172 @@ static inline __attribute__((always_inline)) void attend_group_vec(
 int q8_attend_vector(void) { return 0; }
 #endif
 
+/* ---- the same attention on AMX tiles (bfloat16 rows, Intel's tdpbf16ps) ---------------------------
+ * For bfloat16 queries and caches where the tiles are there: the scores of 16 keys by the group's G
+ * query heads in D / 32 tile products (the keys read as they lie in the cache, 16 rows of 32 values
+ * a tile; the group's queries transposed once into the second operand), the softmax as above, and
+ * the values' weighted sum as tile products too: the weights rounded to bfloat16 (as flash
+ * attention rounds them; the divisor sums the rounded weights, so they still sum to one), the
+ * values re-laid in pairs of keys for the second operand, float32 sums. Every element of a tile
+ * product depends on its own row and column only and sums in an order fixed by the key range, so
+ * the construction is as batch-invariant as the vector code above: a row equals its plain step bit
+ * for bit, tree rows included (a block of keys with a mapped or missing position is gathered into
+ * a buffer first: the same bytes, the same tile). Not the vector code's bits: the two are
+ * different roundings of the same attention (q8_set_amx_attend chooses, for side-by-side runs). */
+#if defined(Q8_AMX) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define Q8_AMX_ATTEND 1
+static int amx_attend = 1;
+void q8_set_amx_attend(int on) { amx_attend = on; }
+int q8_attend_amx(void) { return amx_attend && q8_amx_available(); }
+
+/* the scores' tiles: 0-3 the scores of 4 blocks of 16 keys (16 rows, G columns of float32); 4, 5:
+ * 16 keys, 32 dims (64 bytes a row); 6, 7: the queries transposed (16 pairs of dims, G columns).
+ * The outputs' tiles: 0-3 a group's outputs, 16 dims each (G rows of float32); 4: its weights, 32
+ * keys (G rows of bfloat16); 5-7: 16 pairs of value rows, 16 dims (64 bytes a row). */
+static void amx_attend_configure(int G, int outputs) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    if (outputs) {
+        for (int t = 0; t < 5; t++) cfg.rows[t] = (uint8_t)G;
+    } else {
+        for (int t = 0; t < 4; t++) cfg.colsb[t] = (uint16_t)(4 * G);
+        cfg.colsb[6] = cfg.colsb[7] = (uint16_t)(4 * G);
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* one kv head's G query heads of one row (bfloat16 everything, D a multiple of 64 up to 256, G <= 16).
+ * Scratch: qt [D / 32][16][16] uint32, kb [4][16][D] bf16, ct [n + 64][16] float, s [G][n + 32] float,
+ * pb [G][n rounded up to 32] bf16, vb [4][4][16][32] bf16, ob [G][64] float. */
+static void attend_group_amx(const uint16_t *q, int64_t G, int64_t D, const uint16_t *k, const uint16_t *v,
+                             int64_t kv_pos, int64_t start, int64_t end, const int64_t *map, int64_t base,
+                             float scale, uint16_t *out, uint32_t *qt, uint16_t *kb, float *ct, float *s,
+                             uint16_t *pb, uint16_t *vb, float *ob) {
+    const int64_t n = end - start, np = (n + 31) / 32 * 32, KC = D / 32;
+    /* the queries as the second operand: chunk c, row p, column i = dims 32c + 2p, 2p + 1 of head i */
+    memset(qt, 0, sizeof(uint32_t) * (size_t)(KC * 256));
+    const uint32_t *q32 = (const uint32_t *)q;
+    for (int64_t i = 0; i < G; i++)
+        for (int64_t c = 0; c < KC; c++)
+            for (int p = 0; p < 16; p++) qt[(c * 16 + p) * 16 + i] = q32[(i * D) / 2 + c * 16 + p];
+    const int contiguous_to = map ? (int)(base - start) : (int)n;  /* keys read in place below this */
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    amx_attend_configure((int)G, 0);
+    if (KC == 2) { _tile_loadd(6, qt, 64); _tile_loadd(7, qt + 256, 64); }
+    for (int64_t j00 = 0; j00 < n; j00 += 64) {
+        const int blocks = (int)((n - j00 + 15) / 16 < 4 ? (n - j00 + 15) / 16 : 4);
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int b = 0; b < blocks; b++) {
+            const int64_t j0 = j00 + 16 * b;
+            const int cnt = (int)(n - j0 < 16 ? n - j0 : 16);
+            const uint16_t *kp;
+            size_t stride;
+            if (cnt == 16 && j0 + 16 <= contiguous_to) {
+                kp = k + (size_t)((start + j0) * kv_pos);
+                stride = (size_t)kv_pos * 2;
+            } else {
+                uint16_t *kbb = kb + (size_t)(b * 16 * D);
+                memset(kbb, 0, sizeof(uint16_t) * (size_t)(16 * D));
+                for (int jj = 0; jj < cnt; jj++)
+                    memcpy(kbb + jj * D, k + (size_t)(KV_AT(start + j0 + jj) * kv_pos), sizeof(uint16_t) * (size_t)D);
+                kp = kbb;
+                stride = (size_t)D * 2;
+            }
+            /* tile numbers must be constants: one case per block */
+#define SCORE_BLOCK(T) do { \
+                if (KC == 2) { \
+                    _tile_loadd(4, kp, stride); _tile_dpbf16ps(T, 4, 6); \
+                    _tile_loadd(5, kp + 32, stride); _tile_dpbf16ps(T, 5, 7); \
+                } else for (int64_t c = 0; c < KC; c += 2) { \
+                    _tile_loadd(6, qt + c * 256, 64); _tile_loadd(4, kp + 32 * c, stride); _tile_dpbf16ps(T, 4, 6); \
+                    _tile_loadd(7, qt + (c + 1) * 256, 64); _tile_loadd(5, kp + 32 * (c + 1), stride); _tile_dpbf16ps(T, 5, 7); \
+                } } while (0)
+            if (b == 0) SCORE_BLOCK(0); else if (b == 1) SCORE_BLOCK(1); else if (b == 2) SCORE_BLOCK(2); else SCORE_BLOCK(3);
+#undef SCORE_BLOCK
+        }
+        _tile_stored(0, ct, 64); _tile_stored(1, ct + 256, 64); _tile_stored(2, ct + 512, 64); _tile_stored(3, ct + 768, 64);
+        for (int b = 0; b < blocks; b++) {
+            const int64_t j0 = j00 + 16 * b;
+            const int cnt = (int)(n - j0 < 16 ? n - j0 : 16);
+            const __mmask16 live = (__mmask16)(cnt == 16 ? 0xffffu : (1u << cnt) - 1u);
+            const __m512i at = _mm512_slli_epi32(lanes, 4);
+            for (int64_t i = 0; i < G; i++) {
+                const __m512 sc = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, _mm512_add_epi32(at, _mm512_set1_epi32((int)i)),
+                                                           ct + 256 * b, 4);
+                _mm512_mask_storeu_ps(s + i * n + j0, live, _mm512_mul_ps(sc, _mm512_set1_ps(scale)));
+            }
+        }
+    }
+    /* the weights, rounded to bfloat16, and their sums */
+    float total[16];
+    for (int64_t i = 0; i < G; i++) {
+        float *si = s + i * n;
+        uint16_t *pi = pb + i * np;
+        const int64_t nv = n - n % 16;
+        const __mmask16 tail = (__mmask16)((1u << (n - nv)) - 1u);
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < nv; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(si + j));
+        if (tail) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, si + nv));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < np; j += 16) {
+            const __mmask16 on = j < nv ? (__mmask16)0xffffu : j == nv ? tail : (__mmask16)0;
+            const __m512 p = _mm512_maskz_mov_ps(on, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(on, si + j), m)));
+            const __m256bh h = _mm512_cvtneps_pbh(p);
+            _mm256_storeu_si256((__m256i *)(pi + j), (__m256i)h);
+            sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16)));
+        }
+        total[i] = _mm512_reduce_add_ps(sum);
+    }
+    /* the weighted values, 64 dims at a time: 32 keys a step, re-laid in pairs (row p of the tile
+     * for dims 16t..16t+15: keys 2p and 2p + 1 interleaved) */
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    amx_attend_configure((int)G, 1);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t j0 = 0; j0 < np; j0 += 32) {
+            uint16_t *vbb = vb + ((j0 / 32) & 3) * 2048;
+            for (int p = 0; p < 16; p++) {
+                const int64_t ja = j0 + 2 * p, jb = ja + 1;
+                __m512i a0 = _mm512_setzero_si512(), a1 = a0, b0 = a0, b1 = a0;
+                if (ja < n) {
+                    const uint16_t *r = v + (size_t)(KV_AT(start + ja) * kv_pos) + d0;
+                    a0 = _mm512_loadu_si512((const void *)r); a1 = _mm512_loadu_si512((const void *)(r + 32));
+                }
+                if (jb < n) {
+                    const uint16_t *r = v + (size_t)(KV_AT(start + jb) * kv_pos) + d0;
+                    b0 = _mm512_loadu_si512((const void *)r); b1 = _mm512_loadu_si512((const void *)(r + 32));
+                }
+                _mm512_storeu_si512((void *)(vbb + (0 * 16 + p) * 32), _mm512_permutex2var_epi16(a0, lo, b0));
+                _mm512_storeu_si512((void *)(vbb + (1 * 16 + p) * 32), _mm512_permutex2var_epi16(a0, hi, b0));
+                _mm512_storeu_si512((void *)(vbb + (2 * 16 + p) * 32), _mm512_permutex2var_epi16(a1, lo, b1));
+                _mm512_storeu_si512((void *)(vbb + (3 * 16 + p) * 32), _mm512_permutex2var_epi16(a1, hi, b1));
+            }
+            _tile_loadd(4, pb + j0, (size_t)np * 2);
+            _tile_loadd(5, vbb, 64); _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, vbb + 512, 64); _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(7, vbb + 1024, 64); _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, vbb + 1536, 64); _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, ob, 256); _tile_stored(1, ob + 16, 256); _tile_stored(2, ob + 32, 256); _tile_stored(3, ob + 48, 256);
+        for (int64_t i = 0; i < G; i++) {
+            const __m512 t = _mm512_set1_ps(total[i]);
+            for (int c = 0; c < 4; c++) {
+                const __m512 o = _mm512_div_ps(_mm512_loadu_ps(ob + i * 64 + 16 * c), t);
+                _mm256_storeu_si256((__m256i *)(out + i * D + d0 + 16 * c), (__m256i)_mm512_cvtneps_pbh(o));
+            }
+        }
+    }
+}
+#else
+void q8_set_amx_attend(int on) { (void)on; }
+int q8_attend_amx(void) { return 0; }
+#endif
+
 /* the same in plain C (any D; libm's expf) */
 static void attend_group_scalar(const void *q, int bf16, int64_t G, int64_t D, const void *k, const void *v,
                                 int64_t kv_pos, int64_t start, int64_t end, const int64_t *map, int64_t base,
@@ -1141,6 +1305,15 @@ int q8_attend(const void *q, int bf16, int64_t T, int64_t H, int64_t Hkv, int64_
     float *s = (float *)malloc(sizeof(float) * (size_t)(G * (longest + 16) + G * D + 16 * D));
     if (!s) return -1;
     float *qf = s + G * (longest + 16), *kf = qf + G * D;
+#if defined(Q8_AMX_ATTEND)
+    const int on_tiles = bf16 && D % 64 == 0 && D <= 256 && G <= 16 && q8_attend_amx();
+    void *tiles = NULL;
+    if (on_tiles) {
+        const int64_t np = (longest + 31) / 32 * 32;
+        tiles = aligned_alloc(64, (size_t)(4 * (D / 32) * 256 + 2 * 64 * D + 4 * 16 * (np + 64) + 2 * G * np + 2 * 4 * 2048 + 4 * G * 64 + 64));
+        if (!tiles) { free(s); return -1; }
+    }
+#endif
     for (int64_t r = 0; r < T; r++)
         for (int64_t g = 0; g < Hkv; g++) {
             const int64_t *map = slots ? slots + off[r] : NULL;
@@ -1148,6 +1321,20 @@ int q8_attend(const void *q, int bf16, int64_t T, int64_t H, int64_t Hkv, int64_
             const char *kg = (const char *)k + (size_t)(g * kv_head) * es;
             const char *vg = (const char *)v + (size_t)(g * kv_head) * es;
             char *og = (char *)out + (size_t)(r * H * D + g * G * D) * es;
+#if defined(Q8_AMX_ATTEND)
+            if (on_tiles) {
+                const int64_t np = (longest + 31) / 32 * 32;
+                uint32_t *qt = (uint32_t *)tiles;
+                uint16_t *kb = (uint16_t *)(qt + (D / 32) * 256);
+                float *ct = (float *)(kb + 64 * D);
+                uint16_t *pb = (uint16_t *)(ct + 16 * (np + 64));
+                uint16_t *vb = pb + G * np;
+                float *ob = (float *)(vb + 4 * 2048);
+                attend_group_amx((const uint16_t *)qg, G, D, (const uint16_t *)kg, (const uint16_t *)vg, kv_pos, start[r],
+                                 end[r], map, base, scale, (uint16_t *)og, qt, kb, ct, s, pb, vb, ob);
+                continue;
+            }
+#endif
 #if defined(__AVX512F__)
             if (D == 64 && G <= 16) { attend_group_vec(qg, bf16, G, kg, vg, kv_pos, start[r], end[r], map, base, scale, og, qf, s, kf, 4); continue; }
             if (D == 128 && G <= 16) { attend_group_vec(qg, bf16, G, kg, vg, kv_pos, start[r], end[r], map, base, scale, og, qf, s, kf, 8); continue; }
@@ -1157,6 +1344,9 @@ int q8_attend(const void *q, int bf16, int64_t T, int64_t H, int64_t Hkv, int64_
 #endif
             attend_group_scalar(qg, bf16, G, D, kg, vg, kv_pos, start[r], end[r], map, base, scale, og, s);
         }
+#if defined(Q8_AMX_ATTEND)
+    free(tiles);
+#endif
     free(s);
     return 0;
 }
