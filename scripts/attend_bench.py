@@ -2,9 +2,11 @@
 
 Rows over the last ``--keys`` entries of a bfloat16 KV buffer, each row up to its own position
 (a chain's rows), with Qwen2.5-0.5B's heads by default (14 query heads on 2 kv heads, 64 wide);
-median of ``--repeats`` calls, in microseconds.
+median of ``--repeats`` calls, in microseconds. On AMX tiles where the processor has them
+(``DYNASPEC_Q8_AMX_ATTEND=0``: the AVX-512 vector code).
 
     python scripts/attend_bench.py --keys 400
+    DYNASPEC_Q8_AMX_ATTEND=0 python scripts/attend_bench.py --keys 400
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     vbuf = torch.randn(1, args.kv_heads, capacity, args.head_dim).bfloat16()
     keys, values = kbuf[:, :, :args.keys], vbuf[:, :, :args.keys]
     scale = args.head_dim ** -0.5
-    print(f"q8.attend ({q8.isa()}), bfloat16, {args.heads} heads on {args.kv_heads}, {args.head_dim} wide, "
+    way = "AMX tiles" if q8.attention_on_tiles() else q8.isa()
+    print(f"q8.attend ({way}), bfloat16, {args.heads} heads on {args.kv_heads}, {args.head_dim} wide, "
           f"{args.keys} keys; median of {args.repeats}, us")
     print("| rows | C call | with the Python wrapper |")
     print("|---|---|---|")
