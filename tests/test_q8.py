@@ -426,3 +426,23 @@ def test_argmax_is_torchs_first_largest_index():
     for row in [*rows, tied, zeros, infinite, nan, flat, strided, torch.randn(33, generator=gen).bfloat16()]:
         assert q8.argmax(row) == int(row.argmax()), row
     assert q8.argmax(tied) == 7
+
+
+def test_huge_pages_move_the_weights_and_keep_every_result():
+    """q8.huge_pages copies the int8 weights of live kernels (products and int8 rows) into one
+    arena advised for transparent huge pages, once: the same results bit for bit after the move."""
+    import mmap
+
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no transparent huge pages on this system")
+    weight, bias, x = _case(300, 200, seed=4)
+    kernel = q8.Int8WeightLinear(weight, bias)
+    rows = q8.Int8Rows(weight)
+    ids = torch.tensor([5, 0, 299, 17])
+    before, before_rows = kernel(x), rows.logits(x, ids)
+    old = kernel.packed.data_ptr()
+    moved = q8.huge_pages(min_bytes=0)
+    assert moved >= kernel.packed.numel() + rows.q.numel()
+    assert kernel.packed.data_ptr() != old
+    assert torch.equal(kernel(x), before) and torch.equal(rows.logits(x, ids), before_rows)
+    assert q8.huge_pages(min_bytes=0) == 0  # nothing left to move

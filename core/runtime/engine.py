@@ -155,6 +155,10 @@ class Engine:
         self.verifier_for(stack.decode.temperature)  # fail early on a bad verifier
         #: the plain step's measured time on this machine (for ``draft.adaptive``)
         self.plain_cost = PlainCost()
+        # the int8 weights every step streams, moved once into memory on huge pages
+        q8 = sys.modules.get("dynaspec.runtime.q8")
+        if q8 is not None and target.device.type == "cpu":
+            q8.huge_pages()
 
     def _backend_for(self, head_weight: torch.Tensor | None):
         """The stack's GEMM backend over the target's LM head (``None``) or a drafter's own head:
