@@ -364,7 +364,8 @@ def huge_pages(min_bytes: int = 1 << 18) -> int:
     allocated without the advice) each page costs a translation of its own. Measured on the Xeon:
     480 MB read in 33 ms from huge pages against 42-44 ms from the file mapping. Returns the bytes
     moved (0 where nothing moved or the system has no huge pages to give). The values are copied
-    bit for bit; ``$DYNASPEC_HUGE_PAGES=0`` turns it off."""
+    bit for bit; ``$DYNASPEC_HUGE_PAGES=0`` turns it off. Call it while no other thread runs
+    these kernels (an engine calls it as it is assembled): a moved matrix's old memory is freed."""
     if os.environ.get("DYNASPEC_HUGE_PAGES", "1") == "0":
         return 0
     todo = [(owner, name) for owner, name in list(_STREAMED.items())
