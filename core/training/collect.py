@@ -206,6 +206,9 @@ def set_up_target(target: TargetModel, weights: str = "auto") -> str:
     if target.forward_kind == "lean":  # the generic forward computes from the dtype's weights only
         target.use_weights(used)
     numerics.probe(target)
+    q8 = sys.modules.get("dynaspec.runtime.q8")
+    if q8 is not None and target.device.type == "cpu":  # its int8 weights on huge pages, as an engine's
+        q8.huge_pages()
     return target.weights
 
 
