@@ -971,6 +971,14 @@ static inline __m512 exp_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* the largest of a row of scores (nv of them in whole vectors, then the tail's lanes), in every lane */
+static inline __m512 row_max(const float *si, int64_t nv, __mmask16 tail) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < nv; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(si + j));
+    if (tail) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, si + nv));
+    return _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+}
+
 /* the sums of a[0..15] as one vector (lane j: the sum of a[j]'s 16 lanes), by a transposing
  * reduction: 45 instructions for 16 sums, each summed by the same tree of additions */
 static inline __m512 sum16(const __m512 a[16]) {
@@ -1049,10 +1057,7 @@ static inline __attribute__((always_inline)) void attend_group_vec(
         float *si = s + i * n;
         const int64_t nv = n - n % 16;
         const __mmask16 tail = (__mmask16)((1u << (n - nv)) - 1u);
-        __m512 mv = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < nv; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(si + j));
-        if (tail) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, si + nv));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        const __m512 m = row_max(si, nv, tail);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < nv; j += 16) {
             const __m512 p = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(si + j), m));
@@ -1203,10 +1208,7 @@ static void attend_group_amx(const uint16_t *q, int64_t G, int64_t D, const uint
         uint16_t *pi = pb + i * np;
         const int64_t nv = n - n % 16;
         const __mmask16 tail = (__mmask16)((1u << (n - nv)) - 1u);
-        __m512 mv = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < nv; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(si + j));
-        if (tail) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, si + nv));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        const __m512 m = row_max(si, nv, tail);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < np; j += 16) {
             const __mmask16 on = j < nv ? (__mmask16)0xffffu : j == nv ? tail : (__mmask16)0;
