@@ -22,7 +22,7 @@ from dynaspec.runtime.drafter import Drafter
 from dynaspec.runtime.drafters import DrafterContext, DraftSource, build_drafter, grow_within
 from dynaspec.runtime.gate import CostPlanner, DepthControl, DraftGate, PlainCost
 from dynaspec.runtime.protocols import DecodeParams, ShortlisterCapabilities, capabilities
-from dynaspec.runtime.q8 import argmax
+from dynaspec.runtime.q8 import argmax, huge_pages
 from dynaspec.runtime.registry import Registry, default_registry
 from dynaspec.runtime.stats import GenerationStats
 from dynaspec.runtime.target import TargetPass
@@ -156,9 +156,8 @@ class Engine:
         #: the plain step's measured time on this machine (for ``draft.adaptive``)
         self.plain_cost = PlainCost()
         # the int8 weights every step streams, moved once into memory on huge pages
-        q8 = sys.modules.get("dynaspec.runtime.q8")
-        if q8 is not None and target.device.type == "cpu":
-            q8.huge_pages()
+        if target.device.type == "cpu":
+            huge_pages()
 
     def _backend_for(self, head_weight: torch.Tensor | None):
         """The stack's GEMM backend over the target's LM head (``None``) or a drafter's own head:

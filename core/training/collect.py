@@ -199,15 +199,14 @@ def set_up_target(target: TargetModel, weights: str = "auto") -> str:
     compute from, so the drafter learns the continuations and features it will meet) and run the
     numerics probe, which lets generation run several sequences in one pass. Returns the weights
     setting used. Call it after the target's final cast."""
-    from dynaspec.runtime import numerics
+    from dynaspec.runtime import numerics, q8
     from dynaspec.runtime.quantized import resolve_weights
 
     used = resolve_weights(weights, target.device, target.auto_weights)
     if target.forward_kind == "lean":  # the generic forward computes from the dtype's weights only
         target.use_weights(used)
     numerics.probe(target)
-    q8 = sys.modules.get("dynaspec.runtime.q8")
-    if q8 is not None and target.device.type == "cpu":  # its int8 weights on huge pages, as an engine's
+    if target.device.type == "cpu":  # its int8 weights on huge pages, as an engine's
         q8.huge_pages()
     return target.weights
 
