@@ -361,3 +361,50 @@ def test_later_turns_are_collected_as_their_own_kind(tmp_path):
     done = subprocess.run([sys.executable, "-m", "dynaspec", "prepare", "--target", "tiny-llama", "--out",
                            str(tmp_path / "z"), "--turns", "middle"], capture_output=True, text=True)
     assert done.returncode != 0 and "--turns" in done.stderr and not (tmp_path / "z").exists()
+
+
+def test_more_data_trains_on_other_prepare_folders_and_refuses_bad_ones(prepared, tmp_path):
+    """``--more-data``: the drafter, corpus and router stages read another prepare folder's
+    collection beside this folder's own (here: none of its own, a later-turns collection still
+    without its manifest, and the prepared folder's first turns); the record names the folders as given, not machine paths; a
+    folder that is not a prepare folder, one of another target, one without shards and --out
+    itself are refused before anything runs."""
+    import os
+
+    from dynaspec.training.shards import shard_paths
+
+    out, _ = prepared
+    later = tmp_path / "later"
+    budget = attrs.evolve(BUDGET, prompts=4, turns="later")
+    prepare("tiny-llama", later, budget=budget, only=("collect",), command="later")
+    (later / prep.MANIFEST).unlink()  # as a collection still running: its shards name the target
+    both = tmp_path / "both"
+    shutil.copytree(out / "clusters", both / "clusters")  # the stages below need clusters of their own
+    old = os.getcwd()
+    os.chdir(tmp_path)  # the folders as a user gives them: relative
+    try:
+        manifest = prepare("tiny-llama", Path("both"), budget=attrs.evolve(BUDGET, steps=30),
+                           only=("drafter", "corpus", "router", "stack"), command="both",
+                           init=str(out / "drafter"), more_data=("later", str(out)))
+    finally:
+        os.chdir(old)
+    assert not shard_paths(both / "work")  # it collected nothing itself
+    training = json.loads((both / "drafter" / "drafter.json").read_text())["training"]
+    assert training["work"][0] == "work" and training["work"][1] == "later/work"
+    assert training["work"][2].endswith("/work") and training["shards_at_end"] == 1 + 4
+    assert "5 shards of human turns (1 of them later turns" in training["data"]
+    assert manifest["stages"]["corpus"]["shards"] == 1 + 4  # the greedy answers of both folders
+    assert (both / "router").exists() and (both / "stack.toml").exists()
+    spec, plain = _plain_and_spec(both / "stack.toml")
+    assert spec.token_ids == plain.token_ids
+    gemma_like = tmp_path / "other"
+    gemma_like.mkdir()
+    (gemma_like / prep.MANIFEST).write_text(json.dumps({"format": prep.FORMAT, "target": "tiny-gemma",
+                                                          "fingerprint": {"model_type": "gemma3"}, "stages": {}}))
+    empty = tmp_path / "empty"
+    prepare("tiny-llama", empty, budget=BUDGET, only=("stack",), command="empty")
+    for folder, message in ((tmp_path / "nothing", "no prepare.json"), (gemma_like, "prepared for target 'tiny-gemma'"),
+                            (empty, "no collected shards"), (both, "that is --out itself")):
+        with pytest.raises(ConfigError, match=message):
+            prepare("tiny-llama", both, budget=BUDGET, only=("drafter",), redo=("drafter",), more_data=(folder,))
+    assert (both / "drafter" / "drafter.json").exists()  # nothing was cleared by a refused run

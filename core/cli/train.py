@@ -129,6 +129,11 @@ def register(sub) -> None:
     pr.add_argument("--loss-on", choices=["answer", "all"], default="answer",
                     help="answer: the drafter learns at the positions whose next token is the target's own "
                     "continuation (what it drafts; the prompt is context); all: at the prompts' too")
+    pr.add_argument("--more-data", nargs="+", default=[], metavar="FOLDER",
+                    help="other prepare folders of the same target (their --out) whose collections the drafter, "
+                    "corpus and router stages read beside this folder's own: collections of first and later "
+                    "turns, or of several runs or machines, trained on together (this folder may then collect "
+                    "nothing itself)")
     pr.add_argument("--sampled", type=non_negative_int, default=0, metavar="N",
                     help="also collect N sampled continuations of the same prompts (at --temperature, seeds 0 "
                     "to N-1, in OUT/work-sampled-SEED) and train the drafter on them beside the greedy ones: "
@@ -293,7 +298,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     if args.init and args.drafter:
         raise ConfigError("--init starts a drafter's training and --drafter uses one untrained: give one of them")
     manifest = prepare(args.target, Path(args.out), budget=budget, drafter=args.drafter, redo=tuple(args.redo),
-                       only=tuple(args.stage), command=command_line(), init=args.init)
+                       only=tuple(args.stage), command=command_line(), init=args.init,
+                       more_data=tuple(args.more_data))
     for name, stage in manifest["stages"].items():
         print(f"{name:<10} {stage['seconds']:>8.1f} s  {', '.join(stage['outputs'])}", file=sys.stderr)
     print(f"use it: dynaspec generate --stack {Path(args.out) / 'stack.toml'} \"...\"", file=sys.stderr)

@@ -26,7 +26,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import attrs
 
@@ -179,12 +179,54 @@ def _stack_toml(target_ref: str, drafter: str, clusters: int, command: str) -> s
             f"mass = 0.95\n")
 
 
+def _shard_fingerprint(path: Path) -> dict[str, Any] | None:
+    """The target fingerprint a collected shard records (None: it records none)."""
+    from dynaspec.training.shards import shard_metadata
+
+    recorded = shard_metadata(path).get("target")
+    return json.loads(recorded) if recorded else None
+
+
+def more_data_folders(folders: Sequence[str | Path], fingerprint: dict[str, Any], out: Path) -> list[Path]:
+    """The collections of other prepare folders (``--more-data``): each folder's ``work`` and
+    ``work-sampled-*`` shard folders, in that order (a collection still running, without its
+    manifest yet, is checked by the target its shards record). Refuses a folder that is not a
+    prepare folder, one prepared for another target, one with no collected shards, and this run's
+    own folder."""
+    from dynaspec.training.shards import shard_paths
+
+    found: list[Path] = []
+    for folder in map(Path, folders):
+        if folder.resolve() == out.resolve():
+            raise ConfigError(f"--more-data {folder}: that is --out itself (its collection is always used)")
+        manifest = _read_manifest(folder)
+        works = [folder / "work", *sorted(folder.glob("work-sampled-*"))]
+        works = [w for w in works if shard_paths(w)]
+        if not manifest and not works:
+            raise ConfigError(f"--more-data {folder}: no {MANIFEST} there (give folders that `dynaspec prepare` "
+                              "collected into)")
+        # a collection still running has no manifest yet: its shards say which target made them
+        recorded = manifest.get("fingerprint") if manifest else _shard_fingerprint(shard_paths(works[0])[0])
+        if recorded != fingerprint:
+            name = manifest.get("target") if manifest else "another target"
+            raise ConfigError(f"--more-data {folder} was prepared for target {name!r}, whose "
+                              "weights differ from this target's: its features would teach the drafter another model")
+        if not works:
+            raise ConfigError(f"--more-data {folder}: no collected shards in its work folders")
+        found.extend(works)
+    return found
+
+
 def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget(),
             drafter: str | None = None, redo: tuple[str, ...] = (), only: tuple[str, ...] = (),
-            command: str = "", seed: int = 0, init: str | None = None) -> dict[str, Any]:
+            command: str = "", seed: int = 0, init: str | None = None,
+            more_data: Sequence[str | Path] = ()) -> dict[str, Any]:
     """Run the stages of ``dynaspec prepare`` for ``target_ref`` into ``out``; returns the manifest.
     ``init``: a drafter (built-in name or folder) the drafter stage starts from instead of random
-    weights; ``drafter``: one used as it is, with no training."""
+    weights; ``drafter``: one used as it is, with no training. ``more_data``: other prepare folders
+    of the same target whose collections the drafter, corpus and router stages read beside this
+    folder's own (first and later turns, collections of several runs or machines), see
+    :func:`more_data_folders`."""
     from dynaspec.runtime.numerics import resolve_dtype
     from dynaspec.runtime.targets import load_target, resolve_artifact
     from dynaspec.training import collect as collect_mod
@@ -222,6 +264,11 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
     drafter_dir = Path(resolve_artifact(drafter)) if drafter else out / "drafter"
 
     sampled_work = [out / f"work-sampled-{seed_}" for seed_ in range(budget.sampled)]
+    extra_work = more_data_folders(more_data, fingerprint, out)
+
+    def own_and_more() -> list[Path]:
+        """This folder's collections that hold shards, then the --more-data ones."""
+        return [f for f in (work, *sampled_work) if shard_paths(f)] + extra_work
 
     def collect() -> dict[str, Any]:
         collect_mod.collect(target, work, prompts=budget.prompts, shard_size=budget.shard_size,
@@ -246,9 +293,12 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
 
             load_drafter(str(drafter_dir), target)
             return {"outputs": [str(drafter_dir)], "given": True}
-        folders = [work, *(f for f in sampled_work if shard_paths(f))]
+        folders = [work, *(f for f in sampled_work if shard_paths(f)), *extra_work]
+        # folder names as the command gave them (relative where it did): no machine paths
+        names = [f.name for f in (work, *sampled_work) if f in folders] + [
+            str(Path(name) / f.name) for name in more_data for f in extra_work if f.parent == Path(name)]
         provenance: dict[str, Any] = {"command": command, "target": target_ref,
-                                      "work": [f.name for f in folders] if len(folders) > 1 else "work"}
+                                      "work": names if len(folders) > 1 else "work"}
         if start is not None:
             provenance["init"] = {"drafter": Path(init).name, "training": start.meta.get("training")}
         drafter_training.train(target, folders, drafter_dir, steps=budget.steps,
@@ -264,7 +314,8 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         return {"outputs": ["frequency"]}
 
     def corpus() -> dict[str, Any]:
-        _, counts = build_corpus(target, [work], out / "corpus", command=command)
+        _, counts = build_corpus(target, [w for w in own_and_more() if w.name == "work"], out / "corpus",
+                                 command=command)
         return {"outputs": ["corpus"], **counts}
 
     def clusters() -> dict[str, Any]:
@@ -273,7 +324,8 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         return {"outputs": ["clusters"], "cluster_sizes": [log["min_size"], log["max_size"]]}
 
     def router() -> dict[str, Any]:
-        stats = build_router(target, [str(work)], str(out / "clusters"), out / "router",
+        stats = build_router(target, [str(w) for w in own_and_more() if w.name == "work"], str(out / "clusters"),
+                             out / "router",
                              drafter_ref=str(drafter_dir), width=budget.router_width,
                              epochs=budget.router_epochs, command=command)
         return {"outputs": ["router"], "held_out_recall": stats["held_out_recall"]}
