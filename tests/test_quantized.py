@@ -247,6 +247,45 @@ def test_the_drafter_computes_on_the_targets_kernel():
     # int8 weights (int16 activations): within a few percent of the float drafter's output
     assert got.shape == want.shape and not torch.equal(got, want)
     assert float((got - want).norm() / want.norm()) < 0.05
+    # q, k and v (and gate and up) in one product each: the same outputs as apart, in a pass
+    # over a prompt (k and v stacked, the last query apart), a tree step and a chain step
+    from dynaspec.runtime.drafter import DraftCache
+
+    layer = quick.layer
+    assert set(layer.fused) == {"qkv", "kv", "gate_up"}
+    outs = []
+    with torch.inference_mode():
+        for fused in (layer.fused, None):
+            layer.fused, cache = fused, DraftCache(16)
+            first = quick(emb, feats, positions, cache=cache, last=True)
+            tree = quick(emb[:, :3], feats[:, :3], torch.full((1, 3), 5), cache=cache,
+                         mask=torch.ones(3, 8, dtype=torch.bool))
+            cache.crop(5)
+            chain = quick(emb[:, :1], feats[:, :1], torch.full((1, 1), 5), cache=cache)
+            outs.append((first, tree, chain))
+        layer.fused = outs and q.fused_products(layer, "int8")
+    for stacked, apart in zip(*outs):
+        assert torch.equal(stacked, apart)
+
+
+def test_the_rotary_table_gives_the_angles_computed_directly():
+    """The drafter's cos/sin rows come from a table grown by doubling: the same float32 values as
+    computing them for the positions asked, whatever the batch, the table's size or its growth."""
+    from dynaspec.runtime import drafter as dr
+
+    def direct(positions, dim, theta):
+        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        ang = positions.float()[:, None, :, None] * inv
+        return torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+
+    dr._ROPE_TABLES.clear()
+    for positions in (torch.arange(7)[None], torch.full((1, 3), 4095), torch.arange(300, 2600)[None],
+                      torch.tensor([[5, 7, 9]])):
+        for dim, theta in ((64, 1e6), (32, 10000.0)):
+            got, want = dr._rope_angles(positions, dim, theta), direct(positions, dim, theta)
+            assert got[0].shape == want[0].shape == (1, 1, positions.shape[1], dim)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert dr._ROPE_TABLES[(64, 1e6, "cpu")][0].shape[0] >= 4096  # grown past its first 1024 rows
 
 
 def test_an_engine_on_int8_weights_drafts_on_the_int8_kernel():

@@ -110,11 +110,30 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
-def _rope_angles(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [B, 1, T, D] of the rotary angles at positions [B, T] (float32)."""
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
-    ang = positions.float()[:, None, :, None] * inv  # [B, 1, T, D/2]
+#: cos and sin tables [P, D] per (dim, theta, device), grown by doubling: a draft step reads its
+#: rows instead of computing some ten tensor operations (the same float32 values either way)
+_ROPE_TABLES: dict[tuple[int, float, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _rope_table(size: int, dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [size, D] of the rotary angles of positions ``0 .. size - 1`` (float32)."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    ang = torch.arange(size, device=device, dtype=torch.float32)[:, None] * inv  # [P, D/2]
     return torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+
+
+def _rope_angles(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, 1, T, D] of the rotary angles at positions [B, T] (float32), read from a
+    table of every position up to the largest (``position * inv`` is one float32 product per
+    element, so a row is the same whichever table or batch it is computed in)."""
+    key = (dim, float(theta), str(positions.device))
+    need = int(positions.max()) + 1 if positions.numel() else 1
+    table = _ROPE_TABLES.get(key)
+    if table is None or table[0].shape[0] < need:
+        size = max(need, 1024 if table is None else 2 * table[0].shape[0])
+        table = _ROPE_TABLES[key] = _rope_table(size, dim, theta, positions.device)
+    cos, sin = table
+    return cos[positions][:, None], sin[positions][:, None]
 
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float,
@@ -153,6 +172,9 @@ class DecoderLayer(nn.Module):
         self.up_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
         self.act = _ACTIVATIONS[cfg.activation]
+        #: products stacked into one kernel each (``qkv``, ``kv``, ``gate_up``), set on a drafter
+        #: copied onto the target's quantised kernel (``quantized.fused_products``); None: apart
+        self.fused: dict | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: DraftCache | None,
                 mask: torch.Tensor | None, last: bool = False) -> torch.Tensor:
@@ -165,6 +187,9 @@ class DecoderLayer(nn.Module):
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The gated MLP of the post-attention norm of ``x`` (without the residual)."""
         hx = self.post_norm(x)
+        if self.fused is not None:
+            gate, up = self.fused["gate_up"](hx).split(self.cfg.intermediate_size, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(hx)) * self.up_proj(hx))
 
     def attend(self, hx: torch.Tensor, positions: torch.Tensor, cache: DraftCache | None,
@@ -176,8 +201,15 @@ class DecoderLayer(nn.Module):
         of them (one layer: a position's key and value depend on its own input alone)."""
         cfg = self.cfg
         b, t, _ = hx.shape
-        k = self.k_proj(hx).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = self.v_proj(hx).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        kv_width, q = cfg.num_kv_heads * cfg.head_dim, None
+        if self.fused is not None and not (last and t > 1):  # one product for q, k and v
+            q, k, v = self.fused["qkv"](hx).split([cfg.num_heads * cfg.head_dim, kv_width, kv_width], dim=-1)
+        elif self.fused is not None:
+            k, v = self.fused["kv"](hx).split(kv_width, dim=-1)
+        else:
+            k, v = self.k_proj(hx), self.v_proj(hx)
+        k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         angles = _rope_angles(positions, cfg.head_dim, cfg.rope_theta)  # once for q and k
         if self.k_norm is not None:
             k = self.k_norm(k)
@@ -185,7 +217,7 @@ class DecoderLayer(nn.Module):
         if last:  # the queries of the last position only
             hx, angles, t = hx[:, -1:], (angles[0][..., -1:, :], angles[1][..., -1:, :]), 1
             mask = None if mask is None else mask[-1:]
-        q = self.q_proj(hx).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        q = (self.q_proj(hx) if q is None else q).reshape(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = _rope(q, positions, cfg.rope_theta, angles)

@@ -250,6 +250,8 @@ def drafter_on_kernel(model: torch.nn.Module, weights: str | None, shared: dict 
     from dynaspec.runtime import q8
     from dynaspec.runtime.drafter import RMSNorm
 
+    from dynaspec.runtime.drafter import DecoderLayer
+
     quick = copy.deepcopy(model)
     with torch.inference_mode():
         for module in quick.modules():
@@ -258,9 +260,24 @@ def drafter_on_kernel(model: torch.nn.Module, weights: str | None, shared: dict 
             elif isinstance(module, RMSNorm):  # one C call instead of some six tensor operations
                 module.forward = functools.partial(_compiled_norm, module, module.weight.detach().float().contiguous(),
                                                    q8.rms_norm)
+            elif isinstance(module, DecoderLayer):
+                module.fused = fused_products(module, kind)
     if shared is not None:
         shared[key] = (model, quick)  # the original held too: its id stays its own while cached
     return quick
+
+
+def fused_products(layer: torch.nn.Module, kind: str) -> dict[str, Linear] | None:
+    """The products of a drafter layer that read one input, each as one kernel over their weights
+    stacked (a row's outputs are the products of its weight rows alone, so the same values as
+    apart, in one call instead of two or three): ``qkv``, ``kv`` (a pass that needs the last
+    position's query alone) and ``gate_up``. None where a product has a bias."""
+    parts = {"qkv": (layer.q_proj, layer.k_proj, layer.v_proj), "kv": (layer.k_proj, layer.v_proj),
+             "gate_up": (layer.gate_proj, layer.up_proj)}
+    if any(p.bias is not None for group in parts.values() for p in group):
+        return None
+    return {name: make_kernel(kind, torch.cat([p.weight for p in group]).contiguous())
+            for name, group in parts.items()}
 
 
 def _compiled_norm(module: torch.nn.Module, weight: torch.Tensor, norm, x: torch.Tensor) -> torch.Tensor:
