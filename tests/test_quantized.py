@@ -3,6 +3,8 @@ depend on the batch, and speculative output equals plain decoding with the same 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -266,6 +268,72 @@ def test_the_drafter_computes_on_the_targets_kernel():
         layer.fused = outs and q.fused_products(layer, "int8")
     for stacked, apart in zip(*outs):
         assert torch.equal(stacked, apart)
+
+
+@pytest.mark.skipif(not _int8_runs(), reason="the int8 kernel does not build")
+def test_the_drafter_on_the_kernel_attends_by_the_compiled_attention():
+    """Where the compiled attention runs vectorised, the drafter's copy on the kernel attends with
+    it: a prompt's pass (the last query alone), a causal pass, a tree step whose rows see their own
+    lines (given as a mask) and a chain step all equal torch's attention within rounding, and a
+    wrong line would not (the check can fail)."""
+    from dynaspec.runtime import q8
+    from dynaspec.runtime.drafter import DraftCache, DrafterConfig, Drafter
+
+    cfg = DrafterConfig(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                        vocab_size=64)
+    torch.manual_seed(0)
+    model = Drafter(cfg).eval()
+    quick = q.drafter_on_kernel(model, "int8")
+    layer = quick.layer
+    if not q8.attention_available(cfg.head_dim):
+        assert layer.c_attend is None
+        pytest.skip("the compiled attention is not vectorised here")
+    assert layer.c_attend is not None
+    gen = torch.Generator().manual_seed(1)
+    emb, feats = torch.randn(1, 12, 128, generator=gen), torch.randn(1, 12, 128, generator=gen)
+    mask = torch.zeros(3, 15, dtype=torch.bool)
+    mask[:, :12] = True
+    mask[0, 12] = mask[1, 13] = mask[2, 12] = mask[2, 14] = True  # row 2 continues row 0's line
+    outs = []
+    with torch.inference_mode():
+        for attend in (layer.c_attend, None):
+            layer.c_attend, cache = attend, DraftCache(32)
+            first = quick(emb, feats, torch.arange(12)[None], cache=cache, last=True)
+            tree = quick(emb[:, :3], feats[:, :3], torch.tensor([[12, 12, 13]]), cache=cache, mask=mask)
+            cache.crop(12)
+            chain = quick(emb[:, :1], feats[:, :1], torch.full((1, 1), 12), cache=cache)
+            causal = quick(emb, feats, torch.arange(12)[None], cache=DraftCache(32))
+            outs.append((first, tree, chain, causal))
+        layer.c_attend = outs and functools.partial(q8.attend, lib=q8._library())
+        wrong = mask.clone()
+        wrong[2, 14] = False
+        cache = DraftCache(32)
+        quick(emb, feats, torch.arange(12)[None], cache=cache, last=True)
+        miss = quick(emb[:, :3], feats[:, :3], torch.tensor([[12, 12, 13]]), cache=cache, mask=wrong)
+    for compiled, torch_way in zip(*outs):
+        assert compiled.shape == torch_way.shape
+        assert float((compiled - torch_way).abs().max()) < 1e-4 * float(torch_way.abs().max()) + 1e-5
+    assert float((miss[0, 2] - outs[1][1][0, 2]).abs().max()) > 1e-3
+
+
+def test_the_router_on_the_kernel_norms_by_the_compiled_norm():
+    """The router's copy on the kernel norms both inputs in one C call: the same cluster scores
+    as torch's norm within rounding."""
+    from dynaspec.shortlisters.router import Router, RouterConfig
+
+    torch.manual_seed(0)
+    router = Router(RouterConfig(hidden_size=64, width=32, clusters=16)).eval()
+    quick = q.drafter_on_kernel(router, "int8") if _int8_runs() else router
+    if quick is router:
+        pytest.skip("the int8 kernel does not build")
+    assert quick.c_norm is not None and router.c_norm is None
+    e, h = torch.randn(3, 64) * 0.02, torch.randn(3, 64) * 5
+    with torch.inference_mode():
+        compiled = quick(e, h)
+        quick.c_norm, norm = None, quick.c_norm
+        torch_way = quick(e, h)
+        quick.c_norm = norm
+    assert float((compiled - torch_way).abs().max()) < 1e-4 * float(torch_way.abs().max())
 
 
 def test_the_rotary_table_gives_the_angles_computed_directly():

@@ -175,6 +175,11 @@ class DecoderLayer(nn.Module):
         #: products stacked into one kernel each (``qkv``, ``kv``, ``gate_up``), set on a drafter
         #: copied onto the target's quantised kernel (``quantized.fused_products``); None: apart
         self.fused: dict | None = None
+        #: the compiled attention (:func:`dynaspec.runtime.q8.attend`), set on such a copy where it
+        #: runs vectorised: one C call over the cache in place instead of torch's attention and its
+        #: mask (a draft step runs with cold caches, after the target's pass, where each tensor
+        #: operation costs several times what it does hot); None: torch's
+        self.c_attend = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: DraftCache | None,
                 mask: torch.Tensor | None, last: bool = False) -> torch.Tensor:
@@ -223,6 +228,8 @@ class DecoderLayer(nn.Module):
         q = _rope(q, positions, cfg.rope_theta, angles)
         if cache is not None:
             k, v = cache.append(k, v)
+        if self.c_attend is not None and b == 1 and q.dtype == k.dtype:
+            return self.o_proj(self._c_attention(q, k, v, mask)[None])
         rep = cfg.num_heads // cfg.num_kv_heads
         if t == 1 and mask is None:
             # one new token sees every key: each kv head's query heads become rows of one
@@ -237,6 +244,28 @@ class DecoderLayer(nn.Module):
                 mask = torch.ones(t, s, dtype=torch.bool, device=hx.device).tril(s - t)
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(attn.transpose(1, 2).reshape(b, t, cfg.num_heads * cfg.head_dim))
+
+
+    def _c_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None) -> torch.Tensor:
+        """The rows ``q`` [1, H, T, D] over the keys and values [1, Hkv, S, D] (the cache's views)
+        by the compiled attention: [T, H * D]. ``mask`` [T, S] (a tree's rows: every row sees the
+        keys before the first that some row does not, then entries of its own line) or None
+        (causal: row ``i`` sees the keys up to its own position, the last ``T`` being the rows')."""
+        t, s = q.shape[2], k.shape[2]
+        rows = q[0].transpose(0, 1).contiguous()  # [T, H, D]
+        scale = self.cfg.head_dim ** -0.5
+        if mask is None:
+            return self.c_attend(rows, k, v, range(s - t + 1, s + 1), scale)
+        seen = mask.all(dim=0)  # the keys every row sees: a prefix, then the rows' own lines
+        base = int(seen.logical_not().nonzero()[0]) if not bool(seen.all()) else s
+        if base == s or not bool(mask[:, :base].all()):
+            base = 0
+        entries = mask[:, base:].nonzero().tolist()
+        lines: list[list[int]] = [[] for _ in range(t)]
+        for row, col in entries:
+            lines[row].append(base + col)
+        return self.c_attend(rows, k, v, (), scale, lines=lines, base=base)
 
 
 class Drafter(nn.Module):

@@ -260,8 +260,12 @@ def drafter_on_kernel(model: torch.nn.Module, weights: str | None, shared: dict 
             elif isinstance(module, RMSNorm):  # one C call instead of some six tensor operations
                 module.forward = functools.partial(_compiled_norm, module, module.weight.detach().float().contiguous(),
                                                    q8.rms_norm)
+            elif hasattr(module, "c_norm") and module.c_norm is None:  # the router's weightless norm
+                module.c_norm = functools.partial(_weightless_norm, q8.rms_norm)
             elif isinstance(module, DecoderLayer):
                 module.fused = fused_products(module, kind)
+                if q8.attention_available(module.cfg.head_dim):
+                    module.c_attend = functools.partial(q8.attend, lib=q8._library())
     if shared is not None:
         shared[key] = (model, quick)  # the original held too: its id stays its own while cached
     return quick
@@ -278,6 +282,11 @@ def fused_products(layer: torch.nn.Module, kind: str) -> dict[str, Linear] | Non
         return None
     return {name: make_kernel(kind, torch.cat([p.weight for p in group]).contiguous())
             for name, group in parts.items()}
+
+
+def _weightless_norm(norm, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps)`` over the last dimension by the compiled ``norm``."""
+    return norm(x, None, eps)
 
 
 def _compiled_norm(module: torch.nn.Module, weight: torch.Tensor, norm, x: torch.Tensor) -> torch.Tensor:
