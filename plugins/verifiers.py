@@ -42,8 +42,10 @@ class GreedyVerifier:
 
     def propose(self, logits, k, params, generator):
         k = min(k, logits.shape[-1])
-        top, idx = logits.topk(k, dim=-1)
-        logq = top - torch.logsumexp(logits, dim=-1, keepdim=True)
+        idx = logits.topk(k, dim=-1).indices
+        # log_softmax is one fused kernel where logsumexp is several: a draft step runs after the
+        # target's pass, with cold caches, where each kernel costs several times what it does hot
+        logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, idx)
         return idx, logq, None
 
     def verify(self, tree: DraftTree, logits, params, generator):
