@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -262,3 +263,43 @@ def test_sampling_check_compares_two_samplers_counts(tmp_path):
     refused = _compare(*spec, "--against", other)
     assert refused.returncode == 2 and "differ" in refused.stderr
     assert _compare(*spec).returncode == 2  # nothing to compare with
+
+
+def _composite_stack(tmp_path: Path) -> Path:
+    from conftest import trained_drafter
+
+    trained_drafter("llama").save(tmp_path / "drafter")
+    stack = tmp_path / "composite.toml"
+    stack.write_text(f'name = "composite"\ntarget = "tiny-llama"\n[drafter]\nname = "composite"\n'
+                     f'drafters = ["ngram", "{tmp_path / "drafter"}"]\n')
+    return stack
+
+
+def test_draft_sources_counts_each_drafters_cycles(tmp_path):
+    """scripts/draft_sources.py: a line per drafter that drafted, whose cycles add up to the
+    drafted ones (every cycle is drafted or a plain step)."""
+    stack = _composite_stack(tmp_path)
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "draft_sources.py"), "--stack", str(stack),
+                           "--prompts", "2", "--first", "0", "--new-tokens", "24"], capture_output=True, text=True,
+                          env={**os.environ, "DYNASPEC_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    head = re.search(r"(\d+) cycles \((\d+) plain steps\)", done.stdout)
+    lines = re.findall(r"^\s+(\w+)\s+(\d+) cycles", done.stdout, flags=re.M)
+    assert head and lines and {name for name, _ in lines} <= {"NGramSource", "NeuralSource"}
+    assert sum(int(c) for _, c in lines) + int(head.group(2)) == int(head.group(1))
+
+
+def test_draft_cold_times_the_draft_step_after_a_target_pass(tmp_path):
+    """scripts/draft_cold.py: the router and the drafter's step, after a target pass and hot, both
+    ways with --plain; a stack without a trained drafter is refused."""
+    stack = _composite_stack(tmp_path)
+    script = str(ROOT / "scripts" / "draft_cold.py")
+    env = {**os.environ, "DYNASPEC_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, script, "--stack", str(stack), "--context", "12", "--repeats", "2",
+                           "--rounds", "1", "--plain"], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    rows = re.findall(r"^\s+(now|before)\s+(after a target pass|hot)\s+(.+?)\s+([\d.]+) ms$", done.stdout, flags=re.M)
+    assert len(rows) == 2 * 2 * 3 and all(float(r[3]) > 0 for r in rows)
+    refused = subprocess.run([sys.executable, script, "--stack", "tiny-baseline", "--repeats", "1"],
+                             capture_output=True, text=True, env=env)
+    assert refused.returncode != 0 and "has no trained drafter" in refused.stderr
