@@ -277,7 +277,7 @@ def test_the_drafter_on_the_kernel_attends_by_the_compiled_attention():
     lines (given as a mask) and a chain step all equal torch's attention within rounding, and a
     wrong line would not (the check can fail)."""
     from dynaspec.runtime import q8
-    from dynaspec.runtime.drafter import DraftCache, DrafterConfig, Drafter
+    from dynaspec.runtime.drafter import DraftCache, Drafter, DrafterConfig
 
     cfg = DrafterConfig(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
                         vocab_size=64)

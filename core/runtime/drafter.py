@@ -245,7 +245,6 @@ class DecoderLayer(nn.Module):
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(attn.transpose(1, 2).reshape(b, t, cfg.num_heads * cfg.head_dim))
 
-
     def _c_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      mask: torch.Tensor | None) -> torch.Tensor:
         """The rows ``q`` [1, H, T, D] over the keys and values [1, Hkv, S, D] (the cache's views)
@@ -257,10 +256,9 @@ class DecoderLayer(nn.Module):
         scale = self.cfg.head_dim ** -0.5
         if mask is None:
             return self.c_attend(rows, k, v, range(s - t + 1, s + 1), scale)
-        seen = mask.all(dim=0)  # the keys every row sees: a prefix, then the rows' own lines
-        base = int(seen.logical_not().nonzero()[0]) if not bool(seen.all()) else s
-        if base == s or not bool(mask[:, :base].all()):
-            base = 0
+        # the keys every row sees form a prefix (the committed context); after it, each row's line
+        unseen = mask.all(dim=0).logical_not().nonzero()
+        base = int(unseen[0]) if unseen.numel() else 0
         entries = mask[:, base:].nonzero().tolist()
         lines: list[list[int]] = [[] for _ in range(t)]
         for row, col in entries:

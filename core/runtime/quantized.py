@@ -248,9 +248,7 @@ def drafter_on_kernel(model: torch.nn.Module, weights: str | None, shared: dict 
     if shared is not None and key in shared:
         return shared[key][1]
     from dynaspec.runtime import q8
-    from dynaspec.runtime.drafter import RMSNorm
-
-    from dynaspec.runtime.drafter import DecoderLayer
+    from dynaspec.runtime.drafter import DecoderLayer, RMSNorm
 
     quick = copy.deepcopy(model)
     with torch.inference_mode():
