@@ -16,6 +16,7 @@ import pytest
 from conftest import trained_drafter
 from dynaspec.errors import ArtifactMismatchError, ConfigError
 from dynaspec.runtime.engine import Engine
+from dynaspec.shortlisters.frequency import load_frequency
 from dynaspec.training import prepare as prep
 from dynaspec.training.prepare import STAGES, PrepareBudget, prepare
 
@@ -364,7 +365,7 @@ def test_later_turns_are_collected_as_their_own_kind(tmp_path):
 
 
 def test_more_data_trains_on_other_prepare_folders_and_refuses_bad_ones(prepared, tmp_path):
-    """``--more-data``: the drafter, corpus and router stages read another prepare folder's
+    """``--more-data``: the drafter, frequency, corpus and router stages read another prepare folder's
     collection beside this folder's own (here: none of its own, a later-turns collection still
     without its manifest, and the prepared folder's first turns); the record names the folders as given, not machine paths; a
     folder that is not a prepare folder, one of another target, one without shards and --out
@@ -384,7 +385,7 @@ def test_more_data_trains_on_other_prepare_folders_and_refuses_bad_ones(prepared
     os.chdir(tmp_path)  # the folders as a user gives them: relative
     try:
         manifest = prepare("tiny-llama", Path("both"), budget=attrs.evolve(BUDGET, steps=30),
-                           only=("drafter", "corpus", "router", "stack"), command="both",
+                           only=("drafter", "frequency", "corpus", "router", "stack"), command="both",
                            init=str(out / "drafter"), more_data=("later", str(out)))
     finally:
         os.chdir(old)
@@ -394,6 +395,8 @@ def test_more_data_trains_on_other_prepare_folders_and_refuses_bad_ones(prepared
     assert training["work"][2].endswith("/work") and training["shards_at_end"] == 1 + 4
     assert "5 shards of human turns (1 of them later turns" in training["data"]
     assert manifest["stages"]["corpus"]["shards"] == 1 + 4  # the greedy answers of both folders
+    _, counted = load_frequency(both / "frequency", None)
+    assert "of 5 collected shards" in counted["corpus"], counted  # the frequency list counts both too
     assert (both / "router").exists() and (both / "stack.toml").exists()
     spec, plain = _plain_and_spec(both / "stack.toml")
     assert spec.token_ids == plain.token_ids

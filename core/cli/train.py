@@ -131,7 +131,7 @@ def register(sub) -> None:
                     "continuation (what it drafts; the prompt is context); all: at the prompts' too")
     pr.add_argument("--more-data", nargs="+", default=[], metavar="FOLDER",
                     help="other prepare folders of the same target (their --out) whose collections the drafter, "
-                    "corpus and router stages read beside this folder's own: collections of first and later "
+                    "frequency, corpus and router stages read beside this folder's own: collections of first and later "
                     "turns, or of several runs or machines, trained on together (this folder may then collect "
                     "nothing itself)")
     pr.add_argument("--sampled", type=non_negative_int, default=0, metavar="N",

@@ -224,7 +224,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
     """Run the stages of ``dynaspec prepare`` for ``target_ref`` into ``out``; returns the manifest.
     ``init``: a drafter (built-in name or folder) the drafter stage starts from instead of random
     weights; ``drafter``: one used as it is, with no training. ``more_data``: other prepare folders
-    of the same target whose collections the drafter, corpus and router stages read beside this
+    of the same target whose collections the drafter, frequency, corpus and router stages read beside this
     folder's own (first and later turns, collections of several runs or machines), see
     :func:`more_data_folders`."""
     from dynaspec.runtime.numerics import resolve_dtype
@@ -310,7 +310,10 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         return {"outputs": ["drafter"]}
 
     def frequency() -> dict[str, Any]:
-        build_frequency_list(target, "generated", out / "frequency", work=str(work), command=command)
+        # the greedy continuations of this folder and of the --more-data ones (as the corpus and
+        # the router read them)
+        works = [str(w) for w in own_and_more() if w.name == "work"] or [str(work)]
+        build_frequency_list(target, "generated", out / "frequency", work=works, command=command)
         return {"outputs": ["frequency"]}
 
     def corpus() -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -54,7 +54,7 @@ def export_token_map(ranked: torch.Tensor, size: int, path: str | Path) -> Path:
     return path
 
 
-def build_frequency_list(target_ref, source: str, out: Path, *, work: str | None = None,
+def build_frequency_list(target_ref, source: str, out: Path, *, work: str | Sequence[str] | None = None,
                          limit: int | None = None, export=(), command: str = "") -> Path:
     """Count, rank and save a frequency list for a target (``source``: ``raw`` or ``generated``)."""
     from dynaspec.runtime.targets import load_target
@@ -72,9 +72,10 @@ def build_frequency_list(target_ref, source: str, out: Path, *, work: str | None
             raise ConfigError("--source generated needs --work (a `train-drafter --stage collect` folder)")
         from dynaspec.training.shards import describe_shards, shard_paths
 
-        shards = shard_paths(work)
+        works = [work] if isinstance(work, (str, Path)) else list(work)
+        shards = [path for folder in works for path in shard_paths(folder)]
         if not shards:
-            raise ConfigError(f"no collected shards in {work}")
+            raise ConfigError(f"no collected shards in {', '.join(map(str, works))}")
         counts = count_generated(shards, target.vocab_size)
         corpus = (f"the continuations (text after the prompt) of {len(shards)} collected shards: "
                   f"{describe_shards(shards)['data']}")
