@@ -23,6 +23,40 @@ def test_evaluate_parts_merge(tiny_spec_stack, monkeypatch):
     assert "| spec | overall | 3 | yes |" in ev.format_table(whole)
 
 
+def test_merge_refuses_parts_of_different_runs(tiny_spec_stack, monkeypatch, tmp_path):
+    """Parts that ran other stacks or another protocol, a file that is not a report and a missing
+    one are refused with a clear message (by ``merge`` and by ``dynaspec eval --merge``)."""
+    import copy
+    import json
+    import subprocess
+    import sys
+
+    import pytest
+
+    from dynaspec.errors import InputError
+
+    items = [{"id": "a", "text": "Hello", "slice": "english"}, {"id": "b", "text": "def f():", "slice": "code"}]
+    monkeypatch.setattr(ev, "dev_protocol_prompts", lambda n, max_chars: items[:n])
+    parts = [ev.evaluate([str(tiny_spec_stack)], prompts=2, max_new_tokens=6, progress=False, part=(k, 2))
+             for k in (0, 1)]
+    longer = copy.deepcopy(parts[1])
+    longer["protocol"]["max_new_tokens"] = 64
+    renamed = copy.deepcopy(parts[1])
+    renamed["rows"]["other"] = renamed["rows"].pop("spec")
+    for bad, message in (([parts[0], longer], "another protocol"), ([parts[0], renamed], "same stacks"),
+                         ([parts[0], {"stacks": {}}], "part 2 is not"), ([], "nothing to merge")):
+        with pytest.raises(InputError, match=message):
+            ev.merge(bad)
+    assert ev.merge(parts)["protocol"]["prompts"] == 2
+    good = tmp_path / "p0.json"
+    good.write_text(json.dumps(parts[0]))
+    (tmp_path / "junk.json").write_text("not json")
+    for other, message in ((tmp_path / "missing.json", "no report at"), (tmp_path / "junk.json", "is not a JSON report")):
+        done = subprocess.run([sys.executable, "-m", "dynaspec", "eval", "--merge", str(good), str(other)],
+                              capture_output=True, text=True)
+        assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_evaluate_train_split_takes_train_prompts_from_the_offset(tiny_spec_stack, monkeypatch):
     from dynaspec.training import data
 

@@ -86,6 +86,18 @@ def register(sub) -> None:
     be.add_argument("--out", required=True)
 
 
+def _read_report(path: str) -> dict:
+    """A JSON report named on the command line, or a clear error."""
+    from dynaspec.errors import InputError
+
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise InputError(f"no report at {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path} is not a JSON report: {exc}") from None
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     """The standard dev protocol: the first human turn of the first N ShareGPT dev conversations
     (cut to 1,500 characters), greedy, baseline and stacks interleaved prompt by prompt. Prints
@@ -94,7 +106,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from dynaspec.evaluation.evaluate import evaluate, format_table, merge
 
     if args.merge:
-        report = merge([json.loads(Path(f).read_text()) for f in args.merge])
+        report = merge([_read_report(f) for f in args.merge])
     else:
         k, _, n = (args.part or "0/1").partition("/")
         report = evaluate(args.stacks, prompts=args.prompts, max_new_tokens=args.max_new_tokens,

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from dynaspec.errors import ConfigError
+from dynaspec.errors import ConfigError, InputError
 from dynaspec.evaluation.degenerate import is_degenerate, repeat_fraction
 from dynaspec.runtime.engine import Engine
 from dynaspec.runtime.stats import format_acceptance
@@ -161,7 +161,24 @@ def acceptance_per_position(rows: Sequence[dict[str, Any]]) -> list[float]:
 
 
 def merge(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One report from the parts of a run split with ``part``."""
+    """One report from the parts of a run split with ``part``; refuses parts that are not eval
+    reports, or that ran other stacks or another protocol (other than the prompts each took)."""
+    if not reports:
+        raise InputError("nothing to merge: name the parts' reports (--json-out of each part)")
+    for i, rep in enumerate(reports):
+        if not isinstance(rep, dict) or not {"rows", "protocol"} <= rep.keys():
+            raise InputError(f"part {i + 1} is not a `dynaspec eval --json-out` report")
+
+    def protocol_of(rep):
+        return {k: v for k, v in rep["protocol"].items() if k not in ("prompts", "part")}
+
+    for i, rep in enumerate(reports[1:], start=2):
+        if list(rep["rows"]) != list(reports[0]["rows"]):
+            raise InputError(f"part {i} ran the stacks {list(rep['rows'])}, part 1 {list(reports[0]['rows'])}: "
+                             "the parts of one run must run the same stacks")
+        if protocol_of(rep) != protocol_of(reports[0]):
+            raise InputError(f"part {i} ran another protocol than part 1 ({protocol_of(rep)} against "
+                             f"{protocol_of(reports[0])})")
     names = list(reports[0]["rows"])
     reference_of = reports[0].get("baselines") or {n: "baseline" for n in names}
     rows = {name: [r for rep in reports for r in rep["rows"][name]] for name in names}
