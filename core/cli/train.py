@@ -43,11 +43,11 @@ mean accepted length of a chain of 5 over the full vocabulary, the target's own 
                  steps with --init on 175 shards of new prompts (--first-prompt 11000, 1.33M
                  positions, 38 minutes on a Xeon with AMX) took it from 1.88 to 2.05 on 64 train
                  prompts neither had seen (its router and clusters prepared again beside it).
-                 1,000 more steps with --more-data on 531 shards (175 of first turns, 356 of later
-                 turns; 3.38M positions, 89 minutes over two runs beside other jobs) took it from 2.05 to
-                 2.15 on the same 64 prompts, and the engine's accepted length from 2.14 to 2.17
-                 on 48 train prompts (1.74x against 1.71x; router and clusters prepared beside it):
-                 the shipped drafter.
+                 1,000 more steps with --more-data on 531 shards (175 of first turns, 356 of
+                 later turns; 3.38M positions, 89 minutes over two runs beside other jobs) took it
+                 from 2.05 to 2.15 on the same 64 prompts, and the engine's accepted length from
+                 2.14 to 2.17 on 48 train prompts (1.74x against 1.71x; router and clusters
+                 prepared beside it): the shipped drafter.
 Collection is the long part. The target's own continuations (--source generated) are generated for
 a shard's prompts together, one token each per pass of the target through its lean forward, on the
 weights its default stack uses (--weights auto): about 80 answer positions a second on one core for
