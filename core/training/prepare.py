@@ -266,9 +266,11 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
     sampled_work = [out / f"work-sampled-{seed_}" for seed_ in range(budget.sampled)]
     extra_work = more_data_folders(more_data, fingerprint, out)
 
-    def own_and_more() -> list[Path]:
-        """This folder's collections that hold shards, then the --more-data ones."""
-        return [f for f in (work, *sampled_work) if shard_paths(f)] + extra_work
+    def greedy_work() -> list[Path]:
+        """The collections of the target's greedy continuations that hold shards, this folder's and
+        the --more-data ones (what the frequency list, the corpus and the router read; sampled
+        continuations are the drafter's alone)."""
+        return [f for f in (work, *extra_work) if f.name == "work" and shard_paths(f)]
 
     def collect() -> dict[str, Any]:
         collect_mod.collect(target, work, prompts=budget.prompts, shard_size=budget.shard_size,
@@ -310,14 +312,12 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         return {"outputs": ["drafter"]}
 
     def frequency() -> dict[str, Any]:
-        # the greedy continuations of this folder and of the --more-data ones (as the corpus and
-        # the router read them)
-        works = [str(w) for w in own_and_more() if w.name == "work"] or [str(work)]
+        works = [str(w) for w in greedy_work()] or [str(work)]  # none: the error names this folder's
         build_frequency_list(target, "generated", out / "frequency", work=works, command=command)
         return {"outputs": ["frequency"]}
 
     def corpus() -> dict[str, Any]:
-        _, counts = build_corpus(target, [w for w in own_and_more() if w.name == "work"], out / "corpus",
+        _, counts = build_corpus(target, greedy_work(), out / "corpus",
                                  command=command)
         return {"outputs": ["corpus"], **counts}
 
@@ -327,7 +327,7 @@ def prepare(target_ref: str, out: Path, *, budget: PrepareBudget = PrepareBudget
         return {"outputs": ["clusters"], "cluster_sizes": [log["min_size"], log["max_size"]]}
 
     def router() -> dict[str, Any]:
-        stats = build_router(target, [str(w) for w in own_and_more() if w.name == "work"], str(out / "clusters"),
+        stats = build_router(target, [str(w) for w in greedy_work()], str(out / "clusters"),
                              out / "router",
                              drafter_ref=str(drafter_dir), width=budget.router_width,
                              epochs=budget.router_epochs, command=command)
