@@ -17,7 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stack", default="default")
     parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--first", type=int, default=10000, help="the first train prompt (10,000: never trained on)")
+    parser.add_argument("--first", type=int, default=None,
+                        help="the first train prompt (default: where `dynaspec eval --split train` starts, "
+                        "10,000, never trained on)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
@@ -27,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     from dynaspec.runtime import drafters
     from dynaspec.runtime.engine import Engine
     from dynaspec.runtime.stats import GenerationStats
-    from dynaspec.training.data import training_prompts
+    from dynaspec.training.data import SELECTION_OFFSET, training_prompts
 
     torch.set_num_threads(args.threads)
     engine = Engine.from_stack(args.stack)
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     drafters._CompositeSession.grow = traced
     GenerationStats.record_acceptance = recorded
     cycles = plain = tokens = 0
-    items = itertools.islice(training_prompts(), args.first, args.first + args.prompts)
+    first = SELECTION_OFFSET if args.first is None else args.first
+    items = itertools.islice(training_prompts(), first, first + args.prompts)
     for item in items:
         result = engine.generate(engine.target.format_prompt(item["text"]), max_new_tokens=args.new_tokens)
         cycles += len(result.stats.accepted_lengths)
