@@ -82,6 +82,14 @@ def test_lean_chain_rows_equal_plain_steps_where_the_probe_says_so(kind, tmp_pat
         assert "variant" in verdicts.values()
 
 
+def _compiled_weights() -> str:
+    """The weights setting whose lean forward runs the compiled kernels here: ``w8a8`` where the
+    processor has AVX-512 VNNI (8-bit activations), else ``int8`` (int16 activations)."""
+    from dynaspec.runtime import q8
+
+    return "w8a8" if "int8" in q8.modes() else "int8"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_attention_rows_equal_plain_steps_and_torch(dtype, tmp_path, monkeypatch):
     """The compiled attention kernel (q8.attend), which the lean forward uses with the quantised
@@ -90,10 +98,10 @@ def test_compiled_attention_rows_equal_plain_steps_and_torch(dtype, tmp_path, mo
     window, and agree with torch's attention on the same products."""
     from dynaspec.runtime import q8
 
-    if q8.available() is not None or not q8.attention_available(64) or "int8" not in q8.modes():
-        pytest.skip("the compiled attention runs vectorised with AVX-512 only (w8a8: with VNNI)")
+    if q8.available() is not None or not q8.attention_available(64):
+        pytest.skip("the compiled attention runs vectorised with AVX-512 or AVX2 only")
     monkeypatch.setenv("DYNASPEC_CACHE_DIR", str(tmp_path))
-    compiled, reference = (_qwen2_target(hidden=256, heads=4).to(dtype=dtype).use_weights("w8a8") for _ in range(2))
+    compiled, reference = (_qwen2_target(hidden=256, heads=4).to(dtype=dtype).use_weights(_compiled_weights()) for _ in range(2))
     for t in (compiled, reference):
         t.make_batch_invariant()
     assert compiled.batch_invariant and "compiled kernel" in compiled.batch_invariance["attention"]
@@ -140,7 +148,7 @@ def _tree_rows_and_lines(tgt: TargetModel, ids: torch.Tensor, past: int, more: i
     return rows, torch.stack(plain)
 
 
-@pytest.mark.parametrize("case", ["llama", "gemma3", "qwen2-w8a8", "qwen2-w8a8-torch-attention"])
+@pytest.mark.parametrize("case", ["llama", "gemma3", "qwen2-quantised", "qwen2-quantised-torch-attention"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lean_tree_rows_equal_the_plain_steps_along_their_lines(case, dtype, tmp_path, monkeypatch):
     """Each row of a verified draft tree equals, bit for bit, the plain step that computes its
@@ -151,9 +159,9 @@ def test_lean_tree_rows_equal_the_plain_steps_along_their_lines(case, dtype, tmp
 
     monkeypatch.setenv("DYNASPEC_CACHE_DIR", str(tmp_path))
     if case.startswith("qwen2"):
-        if q8.available() is not None or not q8.attention_available(64) or "int8" not in q8.modes():
-            pytest.skip("the compiled attention runs vectorised with AVX-512 only (w8a8: with VNNI)")
-        tgt = _qwen2_target(hidden=256, heads=4).to(dtype=dtype).use_weights("w8a8")
+        if q8.available() is not None or not q8.attention_available(64):
+            pytest.skip("the compiled attention runs vectorised with AVX-512 or AVX2 only")
+        tgt = _qwen2_target(hidden=256, heads=4).to(dtype=dtype).use_weights(_compiled_weights())
     else:
         tgt = tiny_target(case, seed=4).to(dtype=dtype)
     tgt.make_batch_invariant()
@@ -174,9 +182,9 @@ def test_quantised_targets_guarantee_trees_of_15_drafted_tokens(tmp_path, monkey
     from dynaspec.runtime import q8, quantized
 
     monkeypatch.setenv("DYNASPEC_CACHE_DIR", str(tmp_path))
-    if q8.available() is not None or not q8.attention_available(64) or "int8" not in q8.modes():
-        pytest.skip("the compiled attention runs vectorised with AVX-512 only (w8a8: with VNNI)")
-    tgt = _qwen2_target(hidden=256, heads=4).to(dtype=torch.bfloat16).use_weights("w8a8")
+    if q8.available() is not None or not q8.attention_available(64):
+        pytest.skip("the compiled attention runs vectorised with AVX-512 or AVX2 only")
+    tgt = _qwen2_target(hidden=256, heads=4).to(dtype=torch.bfloat16).use_weights(_compiled_weights())
     tgt.make_batch_invariant()
     assert tgt.probed_rows == tgt.max_head_rows == quantized.PROBE_ROWS == 16
     ids = torch.randint(3, 100, (12,), generator=torch.Generator().manual_seed(3))
@@ -190,7 +198,7 @@ def test_compiled_attention_reads_a_line_as_if_it_followed_the_context():
     from dynaspec.runtime import q8
 
     if q8.available() is not None or not q8.attention_available(64):
-        pytest.skip("the compiled attention runs vectorised with AVX-512 only")
+        pytest.skip("the compiled attention runs vectorised with AVX-512 or AVX2 only")
     gen = torch.Generator().manual_seed(0)
     keys, values = torch.randn(1, 2, 20, 64, generator=gen), torch.randn(1, 2, 20, 64, generator=gen)
     q = torch.randn(2, 4, 64, generator=gen)
@@ -210,11 +218,11 @@ def test_compiled_attention_reads_a_line_as_if_it_followed_the_context():
 
 @pytest.fixture(params=[True, False], ids=["tiles", "vector"])
 def attention_way(request):
-    """bfloat16 attention on AMX tiles, then on the AVX-512 vector code (restored afterwards)."""
+    """bfloat16 attention on AMX tiles, then on the vector code (AVX-512 or AVX2) (restored afterwards)."""
     from dynaspec.runtime import q8
 
     if q8.available() is not None or not q8.attention_available(64):
-        pytest.skip("the compiled attention runs vectorised with AVX-512 only")
+        pytest.skip("the compiled attention runs vectorised with AVX-512 or AVX2 only")
     if request.param and not q8.attention_on_tiles():
         pytest.skip("no AMX tiles here (or turned off)")
     q8.set_amx_attend(request.param)
@@ -291,7 +299,7 @@ def test_compiled_attention_is_attention(heads, kv_heads, head_dim, dtype):
     from dynaspec.runtime import q8
 
     if q8.available() is not None or not q8.attention_available(head_dim):
-        pytest.skip("the compiled attention runs vectorised with AVX-512 only")
+        pytest.skip("the compiled attention runs vectorised with AVX-512 or AVX2 only")
     gen = torch.Generator().manual_seed(7)
     buffer = torch.randn(2, 1, kv_heads, 64, head_dim, generator=gen).to(dtype)
     keys, values = buffer[0, :, :, :37], buffer[1, :, :, :37]  # 37: a tail past 2 blocks of 16

@@ -200,7 +200,7 @@ def test_attend_bench_times_the_compiled_attention(tmp_path):
     from dynaspec.runtime import q8
 
     if q8.available() is not None or not q8.attention_available(64):
-        pytest.skip("the compiled attention runs vectorised with AVX-512 only")
+        pytest.skip("the compiled attention runs vectorised with AVX-512 or AVX2 only")
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "attend_bench.py"), "--keys", "40",
                            "--repeats", "3", "--rows", "1", "3"], capture_output=True, text=True,
                           env={**os.environ, "DYNASPEC_CACHE_DIR": str(tmp_path)})

@@ -204,7 +204,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, round_
 
 
 def attention_available(head_dim: int, lib: ctypes.CDLL | None = None) -> bool:
-    """Whether :func:`attend` runs vectorised here for heads of ``head_dim`` (AVX-512; 64, 128 or
+    """Whether :func:`attend` runs vectorised here for heads of ``head_dim`` (AVX-512 or AVX2; 64, 128 or
     256 wide); elsewhere torch's attention is as fast or faster."""
     try:
         lib = lib or _library()

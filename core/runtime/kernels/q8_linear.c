@@ -1099,6 +1099,139 @@ static inline __attribute__((always_inline)) void attend_group_vec(
         }
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The same attention with AVX2's 8 lanes (no AVX-512): the same steps as attend_group_vec, each
+ * in an order fixed by the row's key range alone (8 keys a block, a fixed tree of additions per
+ * sum), so the same batch invariance by construction. */
+int q8_attend_vector(void) { return 1; }
+
+static inline __m256 load8_kv(const void *p, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)p);
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* exp(x) for x <= 0, as exp_nonpositive: the same reduction and polynomial, 2^n (n >= -126 once x
+ * >= -87) put into the exponent's bits */
+static inline __m256 exp_nonpositive8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* lanes [0, cnt) set: the mask of a block's first cnt keys */
+static inline __m256i live8(int cnt) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* the sum of a's 8 lanes, by a fixed tree of additions */
+static inline float sum8_lanes(__m256 a) {
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_movehdup_ps(q));
+    return _mm_cvtss_f32(q);
+}
+
+/* the sums of a[0..7] as one vector (lane j: the sum of a[j]'s 8 lanes), by pairwise additions:
+ * the same tree for every lane */
+static inline __m256 sum8(const __m256 a[8]) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    /* u0: a[0..3]'s sums of lanes 0-3, then of lanes 4-7; u1 the same for a[4..7] */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* one kv head's G query heads of one row, D = 8 * NC; kf: scratch for 8 keys as float32 */
+static void attend_group_avx2(const void *q, int bf16, int64_t G, const void *k, const void *v, int64_t kv_pos,
+                              int64_t start, int64_t end, const int64_t *map, int64_t base, float scale, void *out,
+                              float *qf, float *s, float *kf, const int NC) {
+    const int64_t D = 8 * NC, n = end - start;
+    const size_t es = bf16 ? 2 : 4;
+    for (int64_t i = 0; i < G; i++)
+        for (int c = 0; c < NC; c++)
+            _mm256_storeu_ps(qf + i * D + 8 * c, load8_kv((const char *)q + (size_t)(i * D + 8 * c) * es, bf16));
+    /* scores, 8 keys at a time: float32 keys read in place, bfloat16 ones converted once */
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        const int cnt = (int)(n - j0 < 8 ? n - j0 : 8);
+        const float *kp[8];
+        for (int jj = 0; jj < cnt; jj++) {
+            const char *kj = (const char *)k + (size_t)(KV_AT(start + j0 + jj) * kv_pos) * es;
+            if (bf16) {
+                for (int c = 0; c < NC; c++) _mm256_storeu_ps(kf + jj * D + 8 * c, load8_kv(kj + (size_t)(8 * c) * 2, 1));
+                kp[jj] = kf + jj * D;
+            } else {
+                kp[jj] = (const float *)kj;
+            }
+        }
+        const __m256i live = live8(cnt);
+        for (int64_t i = 0; i < G; i++) {
+            const float *qi = qf + i * D;
+            __m256 a[8];
+            for (int jj = 0; jj < 8; jj++) {
+                if (jj >= cnt) { a[jj] = _mm256_setzero_ps(); continue; }
+                __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qi), _mm256_loadu_ps(kp[jj]));
+                for (int c = 1; c < NC; c++)
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + 8 * c), _mm256_loadu_ps(kp[jj] + 8 * c), acc);
+                a[jj] = acc;
+            }
+            _mm256_maskstore_ps(s + i * n + j0, live, _mm256_mul_ps(sum8(a), _mm256_set1_ps(scale)));
+        }
+    }
+    float total[16];
+    const int64_t nv = n - n % 8;
+    const __m256i tail = live8((int)(n - nv));
+    for (int64_t i = 0; i < G; i++) {
+        float *si = s + i * n;
+        __m256 mv = _mm256_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < nv; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(si + j));
+        float m = -INFINITY;
+        float lanes[8];
+        _mm256_storeu_ps(lanes, mv);
+        for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
+        for (int64_t j = nv; j < n; j++) m = si[j] > m ? si[j] : m;
+        const __m256 mb = _mm256_set1_ps(m);
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t j = 0; j < nv; j += 8) {
+            const __m256 p = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(si + j), mb));
+            _mm256_storeu_ps(si + j, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        if (n > nv) {
+            const __m256 p = _mm256_and_ps(exp_nonpositive8(_mm256_sub_ps(_mm256_maskload_ps(si + nv, tail), mb)),
+                                           _mm256_castsi256_ps(tail));
+            _mm256_maskstore_ps(si + nv, tail, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        total[i] = sum8_lanes(sum);
+    }
+    /* values: for each 8 of the D outputs, every head's weighted sum over the keys in order (one
+     * accumulator per head; a value vector is converted once for all G heads) */
+    for (int c = 0; c < NC; c++) {
+        __m256 acc[16];
+        for (int64_t h = 0; h < G; h++) acc[h] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            const __m256 vc = load8_kv((const char *)v + (size_t)(KV_AT(start + j) * kv_pos + 8 * c) * es, bf16);
+            for (int64_t h = 0; h < G; h++) acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(s[h * n + j]), vc, acc[h]);
+        }
+        for (int64_t h = 0; h < G; h++) {
+            float o[8];
+            _mm256_storeu_ps(o, _mm256_div_ps(acc[h], _mm256_set1_ps(total[h])));
+            for (int l = 0; l < 8; l++) store_any(out, bf16, h * D + 8 * c + l, o[l]);
+        }
+    }
+}
 #else
 int q8_attend_vector(void) { return 0; }
 #endif
@@ -1341,6 +1474,11 @@ int q8_attend(const void *q, int bf16, int64_t T, int64_t H, int64_t Hkv, int64_
             if (D == 64 && G <= 16) { attend_group_vec(qg, bf16, G, kg, vg, kv_pos, start[r], end[r], map, base, scale, og, qf, s, kf, 4); continue; }
             if (D == 128 && G <= 16) { attend_group_vec(qg, bf16, G, kg, vg, kv_pos, start[r], end[r], map, base, scale, og, qf, s, kf, 8); continue; }
             if (D == 256 && G <= 16) { attend_group_vec(qg, bf16, G, kg, vg, kv_pos, start[r], end[r], map, base, scale, og, qf, s, kf, 16); continue; }
+#elif defined(__AVX2__) && defined(__FMA__)
+            if (D % 8 == 0 && D <= 256 && G <= 16) {
+                attend_group_avx2(qg, bf16, G, kg, vg, kv_pos, start[r], end[r], map, base, scale, og, qf, s, kf, (int)(D / 8));
+                continue;
+            }
 #else
             (void)qf; (void)kf;
 #endif
