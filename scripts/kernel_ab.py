@@ -3,14 +3,19 @@ side: the same questions, alternating which runs first, every output checked equ
 epilogue``: bfloat16 outputs written by the tiles' epilogue itself, against float32 outputs
 converted by torch afterwards; ``--switch pairs``: groups of 16 rows in pairs (each weight tile
 serving both), against one group at a time; ``--switch attend``: bfloat16 attention (q8.attend) on
-AMX tiles against the AVX-512 vector code (two roundings of attention: outputs may differ, and
-are counted). Prints the median decoding step and the prefills'
+AMX tiles against the AVX-512 vector code; ``--switch compiled-attend``: the lean forward's compiled
+attention (q8.attend, AVX-512 or AVX2) against torch's attention row by row (both: two roundings of
+attention, so outputs may differ, and are counted). Prints the median decoding step and the prefills'
 total for each, and the median per-question ratio of steps. ``--lengths``: instead, the target's
 prefill of token sequences of those lengths (median of 9 passes each way), the ratio per length.
 
     python scripts/kernel_ab.py --switch epilogue --stack qwen-baseline
     python scripts/kernel_ab.py --switch pairs --stack qwen-baseline --lengths 32 64 128 201 333
     python scripts/kernel_ab.py --switch attend --stack default
+    python scripts/kernel_ab.py --switch compiled-attend --stack qwen-baseline
+
+With a drafting stack the two ways share the engine's measured costs (the cost planner's plain
+step and verification times): time plain decoding for the cleanest ratio.
 """
 
 from __future__ import annotations
@@ -20,16 +25,21 @@ import json
 import statistics
 
 #: each switch's two ways, the change's first
-NAMES = {"epilogue": ("epilogue", "converted"), "pairs": ("pairs", "alone"), "attend": ("tiles", "vector")}
+NAMES = {"epilogue": ("epilogue", "converted"), "pairs": ("pairs", "alone"), "attend": ("tiles", "vector"),
+         "compiled-attend": ("compiled", "torch")}
 #: the switches whose two ways are different roundings (outputs compared, not required equal)
-ROUNDINGS = {"attend"}
+ROUNDINGS = {"attend", "compiled-attend"}
+#: for ``compiled-attend``: the lean forward and its compiled attention (set by :func:`main`)
+_LEAN: dict[str, object] = {}
 
 
 def _switch(which: str, on: bool) -> None:
-    """Turn the kernel change ``which`` on or off (the same bits either way, but for ``attend``)."""
+    """Turn the kernel change ``which`` on or off (the same bits either way, but for the roundings)."""
     from dynaspec.runtime import q8
 
-    if which == "epilogue":
+    if which == "compiled-attend":
+        _LEAN["lean"]._c_attend = _LEAN["attend"] if on else None
+    elif which == "epilogue":
         q8.BF16_EPILOGUE = on
     elif which == "attend":
         q8.set_amx_attend(on)
@@ -57,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     engine = Engine.from_stack(args.stack)
+    if args.switch == "compiled-attend":
+        lean = getattr(engine.target, "_lean", None)
+        if lean is None or lean._c_attend is None:
+            raise SystemExit(f"{args.stack}: its target does not attend through the compiled kernel here "
+                             "(it needs the int8 or w8a8 weights, and AVX-512 or AVX2)")
+        _LEAN.update(lean=lean, attend=lean._c_attend)
     if args.lengths:
         return _prefills(engine.target, args)
     with open(args.questions) as f:
