@@ -1135,14 +1135,6 @@ static inline __m256i live8(int cnt) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* the sum of a's 8 lanes, by a fixed tree of additions */
-static inline float sum8_lanes(__m256 a) {
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    q = _mm_add_ss(q, _mm_movehdup_ps(q));
-    return _mm_cvtss_f32(q);
-}
-
 /* the sums of a[0..7] as one vector (lane j: the sum of a[j]'s 8 lanes), by pairwise additions:
  * the same tree for every lane */
 static inline __m256 sum8(const __m256 a[8]) {
@@ -1214,7 +1206,7 @@ static void attend_group_avx2(const void *q, int bf16, int64_t G, const void *k,
             _mm256_maskstore_ps(si + nv, tail, p);
             sum = _mm256_add_ps(sum, p);
         }
-        total[i] = sum8_lanes(sum);
+        total[i] = v_sum(sum); /* the products' lane sum above: a fixed tree of additions */
     }
     /* values: for each 8 of the D outputs, every head's weighted sum over the keys in order (one
      * accumulator per head; a value vector is converted once for all G heads) */
