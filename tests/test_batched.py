@@ -14,6 +14,7 @@ from conftest import (
     make_engine,
     random_drafter,
     target,
+    tiny_target,
     trained_drafter,
 )
 from dynaspec.runtime.config import stack_from_mapping
@@ -23,7 +24,8 @@ from dynaspec.runtime.target import TargetPass
 
 def _filled(tgt, prompt: list[int]):
     cache = tgt.new_cache(64)
-    tgt.forward(torch.tensor(prompt), torch.arange(len(prompt)), cache)
+    if prompt:
+        tgt.forward(torch.tensor(prompt), torch.arange(len(prompt)), cache)
     return cache
 
 
@@ -31,11 +33,14 @@ def _filled(tgt, prompt: list[int]):
 def test_each_sequences_rows_in_a_shared_pass_are_its_rows_alone(kind):
     tgt = target(kind)
     tgt.make_batch_invariant()
-    prompts = [[5, 9, 31, 7], [11, 3, 8, 60, 21, 4, 70, 13, 2, 44], [17, 18]]
+    # the last two are new requests: their prompts' prefills join the others' pass
+    prompts = [[5, 9, 31, 7], [11, 3, 8, 60, 21, 4, 70, 13, 2, 44], [17, 18], [], []]
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and two children
     shapes = [dict(ids=[40], chain=False, mask=None),  # a plain step
               dict(ids=[6, 12, 50, 9], chain=True, mask=None),  # a chain's verification
-              dict(ids=[33, 34, 35], chain=False, mask=tree)]  # a tree's
+              dict(ids=[33, 34, 35], chain=False, mask=tree),  # a tree's
+              dict(ids=[8, 91, 23, 4, 66, 5, 70], chain=False, mask=None),  # a prefill
+              dict(ids=[30, 2, 19], chain=False, mask=None)]  # another
     layers = [1, len(tgt.decoder.layers)]  # and the fused features a drafter reads
 
     def passes():
@@ -43,15 +48,16 @@ def test_each_sequences_rows_in_a_shared_pass_are_its_rows_alone(kind):
         for prompt, shape in zip(prompts, shapes):
             n = len(shape["ids"])
             depths = torch.tensor([0, 1, 1]) if shape["mask"] is not None else torch.arange(n)
+            head = [0, 1] if shape["mask"] is not None else [n - 1] if not prompt else list(range(n))
             out.append(TargetPass(torch.tensor(shape["ids"]), len(prompt) + depths, _filled(tgt, prompt),
-                                  tree_mask=shape["mask"], chain=shape["chain"], layers=layers,
-                                  head=[0, 1] if shape["mask"] is not None else list(range(n))))
+                                  tree_mask=shape["mask"], chain=shape["chain"], layers=layers, head=head))
         return out
 
     alone = passes()
     for p in alone:
         tgt.forward_many([p])
     together = passes()
+    assert [p.is_prefill for p in together] == [False, False, False, True, True]
     tgt.forward_many(together)
     for a, b in zip(alone, together):
         assert torch.equal(a.result[0], b.result[0]) and torch.equal(a.result[1], b.result[1])
@@ -65,6 +71,36 @@ def test_each_sequences_rows_in_a_shared_pass_are_its_rows_alone(kind):
                           for p in alone]):
         tgt.forward_many([q])
         assert torch.equal(p.result, q.result)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_a_prefill_in_a_shared_pass_runs_on_the_prefill_kernels(kind):
+    """A prompt's rows in a shared pass (a request joining the server's batch) are computed on the
+    prefill kernels, as its prefill alone, and the steps beside them on the strict ones: here the
+    prefill kernels are made to give other bits than the steps' so that a mix-up would show."""
+    tgt = tiny_target(kind)  # its own: the kernels are changed below
+    tgt.make_batch_invariant()
+    for layer in tgt._lean_decoder().layers:  # the prefill kernels, marked
+        for name in ("qkv", "o", "gate_up", "down"):
+            kernels = getattr(layer, name)
+            setattr(layer, name, (*kernels[:2], lambda x, fn=kernels[2]: fn(x) + 2.0 ** -6))
+    prompt, other = [8, 91, 23, 4, 66, 5, 70], [5, 9, 31, 7]
+    strict = tgt._lean_decoder().forward_many(torch.tensor(prompt), torch.arange(7),
+                                              [(tgt.new_cache(64), 7, None, True)])[0]
+    assert not torch.equal(strict, tgt.forward(torch.tensor(prompt), torch.arange(7), tgt.new_cache(64)))
+
+    def passes():
+        return [TargetPass(torch.tensor([40, 41, 42]), 4 + torch.arange(3), _filled(tgt, other), chain=True),
+                TargetPass(torch.tensor(prompt), torch.arange(7), tgt.new_cache(64)),
+                TargetPass(torch.tensor([12]), torch.tensor([4]), _filled(tgt, other))]
+
+    alone = passes()
+    for p in alone:
+        tgt.forward_many([p])
+    together = passes()
+    tgt.forward_many(together)
+    for a, b in zip(alone, together):
+        assert torch.equal(a.result, b.result)
 
 
 def test_a_pass_that_raises_fails_alone():
@@ -123,7 +159,8 @@ def test_generations_batched_together_give_their_solo_outputs(kind, fields):
     prompts = [torch.randint(3, 99, (int(n),), generator=gen).tolist() for n in (4, 9, 2, 6, 12)]
     lengths = [30, 12, 40, 25, 18]
     kwargs = {"seed": 5} if fields.get("decode") else {}
-    texts, sizes, stats = interleaved(engine, prompts, lengths, **kwargs)
+    # the last two join later: their prefills share passes with the others' verifications
+    texts, sizes, stats = interleaved(engine, prompts, lengths, joins=[0, 0, 0, 1, 2], **kwargs)
     assert max(sizes) == len(prompts) and sizes[-1] < len(prompts)  # batched, and generations left
     for prompt, n, text, st in zip(prompts, lengths, texts, stats):
         solo = engine.generate(prompt, max_new_tokens=n, **kwargs)

@@ -390,3 +390,44 @@ def test_lean_forward_on_the_real_targets(name):
             pos += 1
         tokens.append(out)
     assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prefill_in_a_shared_pass_is_the_prefill_alone(dtype, tmp_path, monkeypatch):
+    """A new request's prompt runs in the pass of the others' plain steps and verifications (the
+    server's continuous batching) on the compiled kernels: the prefill, its features, its last
+    row's logits and the steps beside it all equal what each computes alone, bit for bit (see
+    tests/test_batched.py for prefill kernels that differ from the steps')."""
+    from dynaspec.runtime import q8
+    from dynaspec.runtime.target import TargetPass
+
+    if q8.available() is not None:
+        pytest.skip(f"no compiled kernel here: {q8.available()}")
+    monkeypatch.setenv("DYNASPEC_CACHE_DIR", str(tmp_path))
+    tgt = _qwen2_target(hidden=256, heads=4).to(dtype=dtype).use_weights(_compiled_weights())
+    tgt.make_batch_invariant()
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 100, (n,), generator=gen) for n in (11, 6, 23, 17)]
+    layers = [1, tgt.n_layers]
+
+    def passes():
+        out = []
+        for i, ids in enumerate(prompts[:2]):  # two requests generating: a plain step, a chain of 3
+            cache = tgt.new_cache(4)
+            tgt.forward(ids, torch.arange(len(ids)), cache)
+            rows = 1 + 2 * i
+            out.append(TargetPass(torch.arange(40, 40 + rows), len(ids) + torch.arange(rows), cache,
+                                  chain=rows > 1, layers=layers, head=list(range(rows))))
+        for ids in prompts[2:]:  # two joining: their prefills
+            out.append(TargetPass(ids, torch.arange(len(ids)), tgt.new_cache(4), layers=layers,
+                                  head=[len(ids) - 1]))
+        return out
+
+    alone = passes()
+    for p in alone:
+        tgt.forward_many([p])
+    together = passes()
+    tgt.forward_many(together)
+    for a, b in zip(alone, together):
+        assert torch.equal(a.result[0], b.result[0]) and torch.equal(a.result[1], b.result[1])
+        assert torch.equal(b.logits, tgt.logits(a.result[0][a.head]))

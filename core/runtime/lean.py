@@ -351,29 +351,55 @@ class LeanDecoder:
         ``TargetModel.forward``), and the inputs of the decoder layers in ``layers``. ``strict``:
         plain steps and verifications on the strict kernels, else the relaxed ones."""
         t = ids.shape[0]
-        # a plain step or a verification: rows plain decoding also computes one at a time
-        pick = (0 if strict else 1) if t == 1 or chain or tree_mask is not None else 2
-        return self._run(ids, positions, [(cache, t, tree_mask, chain)], layers, pick)
+        return self._run(ids, positions, [(cache, t, tree_mask, chain)], layers,
+                         [self.pick(t, tree_mask, chain, strict)])
+
+    @staticmethod
+    def pick(rows: int, tree_mask: "torch.Tensor | None", chain: bool, strict: bool) -> int:
+        """Which kernels a pass of ``rows`` runs on: a plain step or a verification (rows plain
+        decoding also computes one at a time) on the strict (0) or relaxed (1) ones, a prompt's
+        causal rows (a prefill) on the prefill kernels (2)."""
+        return (0 if strict else 1) if rows == 1 or chain or tree_mask is not None else 2
 
     def forward_many(self, ids: torch.Tensor, positions: torch.Tensor,
                      parts: Sequence[tuple[LeanCache, int, "torch.Tensor | None", bool]], *,
                      layers: Sequence[int] = (), strict: bool = True) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Plain steps and verifications of several sequences in one pass: ``ids`` and
+        """Plain steps, verifications and prefills of several sequences in one pass: ``ids`` and
         ``positions`` are their rows one sequence after another, ``parts`` says per sequence its
         cache, its number of rows, its tree mask and whether its rows are a chain (see
-        :meth:`forward`). Every product runs once over all the rows, on the strict (or relaxed)
-        kernels, whose rows do not depend on how many are computed together; each sequence
-        attends over its own cache exactly as it would alone. So each sequence's rows are the rows
+        :meth:`forward`). Each part runs on the kernels :meth:`pick` chooses for it alone. The
+        plain steps' and verifications' rows share each product, on the strict (or relaxed)
+        kernels, whose rows do not depend on how many are computed together; a prefill (a part of
+        several causal rows) has a product of its own rows on the prefill kernels, as alone, right
+        after the others' in the same layer (its weights still in the cache). Each sequence attends
+        over its own cache exactly as it would alone. So each sequence's rows are the rows
         :meth:`forward` gives for it alone, bit for bit."""
-        return self._run(ids, positions, parts, layers, 0 if strict else 1)
+        picks = [self.pick(rows, tree_mask, chain, strict) for _, rows, tree_mask, chain in parts]
+        return self._run(ids, positions, parts, layers, picks)
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor,
              parts: Sequence[tuple[LeanCache, int, "torch.Tensor | None", bool]], layers: Sequence[int],
-             pick: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+             picks: Sequence[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         h = self.embedding(ids)
         t = h.shape[0]
         if sum(rows for _, rows, _, _ in parts) != t:
             raise ValueError(f"the parts hold {sum(rows for _, rows, _, _ in parts)} rows, the input {t}")
+        # the products' row blocks (start, end, kernels): neighbouring parts on the strict or
+        # relaxed kernels share one; each prefill has its own, its rows alone as they would be
+        blocks: list[list[int]] = []
+        at = 0
+        for (_, rows, _, _), pick in zip(parts, picks):
+            if blocks and pick != 2 and blocks[-1][2] == pick:
+                blocks[-1][1] += rows
+            else:
+                blocks.append([at, at + rows, pick])
+            at += rows
+
+        def product(linears, x: torch.Tensor) -> torch.Tensor:
+            if len(blocks) == 1:
+                return linears[blocks[0][2]](x)
+            return torch.cat([linears[pick](x[a:b]) for a, b, pick in blocks])
+
         bounds, at = [], 0
         lines = []  # per sequence: its tree rows' cache entries from its past on (None: no tree)
         for cache, rows, tree_mask, _ in parts:
@@ -389,7 +415,7 @@ class LeanDecoder:
             if index in layers:
                 captured[index] = h
             x = self._norm(h, layer.norms[0])
-            qkv = layer.qkv[pick](x)
+            qkv = product(layer.qkv, x)
             qk = qkv[:, :(hq + hkv) * hd].view(t, hq + hkv, hd)
             v = qkv[:, (hq + hkv) * hd:].view(t, hkv, hd)
             if layer.qk_norm is not None:
@@ -402,14 +428,14 @@ class LeanDecoder:
                 keys, values = cache.layers[index].append(qk[a:b, hq:].transpose(0, 1)[None],
                                                           v[a:b].transpose(0, 1)[None])
                 outs.append(self._attend(qk[a:b, :hq], keys, values, window, positions[a:b], past, tree, chain))
-            attn = layer.o[pick](outs[0] if len(outs) == 1 else torch.cat(outs))
+            attn = product(layer.o, outs[0] if len(outs) == 1 else torch.cat(outs))
             if self.family == "gemma3":
                 h = h + self._norm(attn, layer.norms[1])
                 x = self._norm(h, layer.norms[2])
             else:
                 h = h + attn
                 x = self._norm(h, layer.norms[1])
-            gate_up = layer.gate_up[pick](x)
-            mlp = layer.down[pick](self.act(gate_up[:, :layer.intermediate]) * gate_up[:, layer.intermediate:])
+            gate_up = product(layer.gate_up, x)
+            mlp = product(layer.down, self.act(gate_up[:, :layer.intermediate]) * gate_up[:, layer.intermediate:])
             h = h + (self._norm(mlp, layer.norms[3]) if self.family == "gemma3" else mlp)
         return self._norm(h, self.final_norm), captured

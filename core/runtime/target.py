@@ -82,7 +82,7 @@ def _new_kv_cache(capacity: int):
 @attrs.define(eq=False)
 class TargetPass:
     """One sequence's rows for a pass of the target (see :meth:`TargetModel.forward`): a plain
-    step or a verification, handed over by a generation loop so that a driver can run the passes
+    step, a verification or a prompt's prefill, handed over by a generation loop so that a driver can run the passes
     of several sequences together (:meth:`TargetModel.forward_many`); ``seconds``: the time of the
     pass that computed it (shared with the others in it)."""
 
@@ -100,6 +100,12 @@ class TargetPass:
     seconds: float = 0.0
     #: what the pass raised (it fails its own sequence alone)
     error: Exception | None = None
+
+    @property
+    def is_prefill(self) -> bool:
+        """Several causal rows (a prompt's), neither a chain nor a tree: computed on the prefill
+        kernels, as :meth:`TargetModel.forward` computes them."""
+        return len(self.ids) > 1 and not self.chain and self.tree_mask is None
 
     def output(self) -> Any:
         """The result, or the pass's exception raised."""
@@ -402,11 +408,12 @@ class TargetModel:
 
     @torch.inference_mode()
     def forward_many(self, passes: Sequence["TargetPass"], *, strict: bool = True) -> None:
-        """Run the plain steps and verifications of several sequences (each its own cache), setting
-        each pass's ``result`` to what :meth:`forward` returns for it alone, bit for bit. The lean
-        forward computes them in one pass over all the rows (see ``LeanDecoder.forward_many``), in
-        groups of at most :attr:`max_pass_rows` rows and of a row count the numerics probe covered
-        (:attr:`pass_rows`); otherwise each runs alone. Every pass must ask for the same ``layers``. A pass that raises
+        """Run the plain steps, verifications and prefills of several sequences (each its own
+        cache), setting each pass's ``result`` to what :meth:`forward` returns for it alone, bit for
+        bit. The lean forward computes them in one pass over all the rows (see
+        ``LeanDecoder.forward_many``), the plain steps and verifications in groups of at most
+        :attr:`max_pass_rows` rows and of a row count the numerics probe covered
+        (:attr:`pass_rows`), the prefills in the first group; otherwise each runs alone. Every pass must ask for the same ``layers``. A pass that raises
         sets its ``error`` and leaves the others' results as they would be without it. With several
         passes, the logits of every pass's ``head`` rows are computed too, in shared products of
         the probed head (at most :attr:`max_head_rows` rows each), into its ``logits``."""
@@ -428,7 +435,13 @@ class TargetModel:
                 alone(p)
             return
         count = self.n_layers
-        for group in self._pass_groups(passes):
+        # a prefill (several causal rows) has products of its own rows (see LeanDecoder.forward_many):
+        # it joins the first group, after the rows sharing products, and counts in no group's rows
+        prefills = [p for p in passes if p.is_prefill]
+        groups = self._pass_groups([p for p in passes if not p.is_prefill])
+        if prefills:
+            groups = [groups[0] + prefills, *groups[1:]] if groups else [prefills]
+        for group in groups:
             lengths = [p.cache.get_seq_length() for p in group]
             try:
                 hidden, captured = self._lean_decoder().forward_many(
