@@ -3,8 +3,8 @@
 Every request (train prompts from --first on, in the target's prompt format, greedy) is queued at
 once into a :class:`dynaspec.serving.worker.Worker` with the given max batch; the stacks run one
 after the other, alternating for ``--rounds``. Per run: aggregate tokens/s, the target's passes
-(count, seconds, requests' passes and all rows; those holding a joining request's prefill, which
-runs in the batch's pass) and the rest of the engine thread (drafting above all). ``--hold`` makes the batch planner grant no draft positions (probes and a request alone
+(count, seconds, requests' rows and all rows), the prefills' seconds and the rest of the engine
+thread. ``--hold`` makes the batch planner grant no draft positions (probes and a request alone
 still draft), to see what speculation costs a batch that does not draft.
 
     python scripts/serve_engine_load.py --stacks default qwen-baseline --requests 16 --max-batch 8
@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stacks", nargs="+", default=["default", "qwen-baseline"])
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--first", type=int, default=10000, help="the first train prompt (10,000: never trained on)")
+    parser.add_argument("--dev", action="store_true",
+                        help="the first --requests dev prompts instead (serve_load.py's: to compare with a served run)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
@@ -49,25 +51,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.hold:
         planner.grant = lambda rates, base, per_row: [0] * rates.shape[0]
     engines = dict(zip(args.stacks, Engine.from_stacks(args.stacks)))
-    texts = [p["text"] for p in itertools.islice(data.training_prompts(), args.first, args.first + args.requests)]
+    if args.dev:
+        texts = [p["text"] for p in data.dev_protocol_prompts(args.requests)]
+    else:
+        texts = [p["text"] for p in itertools.islice(data.training_prompts(), args.first, args.first + args.requests)]
 
     def run(name: str) -> None:
         engine = engines[name]
         target = engine.target
-        seen = {"passes": 0, "seconds": 0.0, "requests": 0, "rows": 0, "joined": 0, "joined_seconds": 0.0}
+        seen = {"passes": 0, "seconds": 0.0, "requests": 0, "rows": 0}
         forward_many = target.forward_many
 
         def counted(passes, **kwargs):
             start = time.perf_counter()
             forward_many(passes, **kwargs)
-            seconds = time.perf_counter() - start
-            seen["seconds"] += seconds
+            seen["seconds"] += time.perf_counter() - start
             seen["passes"] += 1
             seen["requests"] += len(passes)
             seen["rows"] += sum(len(p.ids) for p in passes)
-            if any(p.is_prefill for p in passes):  # a request joined: its prompt's rows in this pass
-                seen["joined"] += 1
-                seen["joined_seconds"] += seconds
 
         target.forward_many = counted
         try:
@@ -85,10 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             del target.forward_many
         tokens = sum(j.stats.new_tokens for j in jobs)
+        prefill = sum(j.stats.times.get("prefill", 0.0) for j in jobs)
         print(f"{name}: {tokens / wall:.2f} tokens/s ({tokens} in {wall:.2f} s); passes {seen['passes']} "
-              f"({seen['seconds']:.2f} s, {seen['requests']} requests' passes, {seen['rows']} rows), "
-              f"{seen['joined']} of them with a joining request's prefill ({seen['joined_seconds']:.2f} s); "
-              f"the rest {wall - seen['seconds']:.2f} s", flush=True)
+              f"({seen['seconds']:.2f} s, {seen['requests']} requests' rows, {seen['rows']} rows); prefills "
+              f"{prefill:.2f} s; the rest {wall - seen['seconds'] - prefill:.2f} s", flush=True)
 
     for _ in range(args.rounds):
         for name in args.stacks:

@@ -144,35 +144,29 @@ def pack_tiles(q: torch.Tensor, lanes: int, tile_rows: int) -> tuple[torch.Tenso
     return packed, q[:, kv:].contiguous()
 
 
-def interleaved(engine: Engine, prompts, lengths, *, controls=None, limits=None, joins=None,
+def interleaved(engine: Engine, prompts, lengths, *, controls=None, limits=None,
                 **kwargs) -> tuple[list[str], list[int], list]:
     """Generate every prompt at once, as the server's worker does: each cycle, every active
-    generation runs to its next target pass (its prefill first), and all the passes run in one
-    ``forward_many``.
+    generation runs to its next target pass, and all the passes run in one ``forward_many``.
     ``controls``: each generation's :class:`DepthControl`; ``limits(cycle, i)``: the draft limit
-    generation ``i`` gets before it drafts in that cycle (every pass but a prefill is checked
-    against it); ``joins[i]``: the cycle in which generation ``i`` joins (default: all at once), so
-    that its prefill shares a pass with the others' steps."""
+    generation ``i`` gets before it drafts in that cycle (every pass is checked against it)."""
     from dynaspec.runtime.stats import GenerationStats
     from dynaspec.runtime.target import TargetPass
 
     stats = [GenerationStats() for _ in prompts]
     controls = controls or [None] * len(prompts)
-    joins = joins or [0] * len(prompts)
     gens = [engine.stream_passes(p, max_new_tokens=n, stats=s, control=c, **kwargs)
             for p, n, s, c in zip(prompts, lengths, stats, controls)]
     texts = [""] * len(prompts)
-    waiting, active, sizes = list(range(len(prompts))), [], []
-    while active or waiting:
-        active += [i for i in waiting if joins[i] <= len(sizes)]
-        waiting = [i for i in waiting if joins[i] > len(sizes)]
+    active, sizes = list(range(len(prompts))), []
+    while active:
         passes = []
         for i in list(active):
             if limits is not None:
                 controls[i].limit = limits(len(sizes), i)
             for item in gens[i]:
                 if isinstance(item, TargetPass):
-                    if limits is not None and controls[i].limit is not None and not item.is_prefill:
+                    if limits is not None and controls[i].limit is not None:
                         assert len(item.ids) <= controls[i].limit + 1
                     passes.append(item)
                     break

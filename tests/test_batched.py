@@ -33,7 +33,7 @@ def _filled(tgt, prompt: list[int]):
 def test_each_sequences_rows_in_a_shared_pass_are_its_rows_alone(kind):
     tgt = target(kind)
     tgt.make_batch_invariant()
-    # the last two are new requests: their prompts' prefills join the others' pass
+    # the last two are prompts over empty caches: prefills in the others' pass
     prompts = [[5, 9, 31, 7], [11, 3, 8, 60, 21, 4, 70, 13, 2, 44], [17, 18], [], []]
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and two children
     shapes = [dict(ids=[40], chain=False, mask=None),  # a plain step
@@ -75,9 +75,9 @@ def test_each_sequences_rows_in_a_shared_pass_are_its_rows_alone(kind):
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_a_prefill_in_a_shared_pass_runs_on_the_prefill_kernels(kind):
-    """A prompt's rows in a shared pass (a request joining the server's batch) are computed on the
-    prefill kernels, as its prefill alone, and the steps beside them on the strict ones: here the
-    prefill kernels are made to give other bits than the steps' so that a mix-up would show."""
+    """A prompt's rows in a shared pass are computed on the prefill kernels, as its prefill alone,
+    and the steps beside them on the strict ones: here the prefill kernels are made to give other
+    bits than the steps' so that a mix-up would show."""
     tgt = tiny_target(kind)  # its own: the kernels are changed below
     tgt.make_batch_invariant()
     for layer in tgt._lean_decoder().layers:  # the prefill kernels, marked
@@ -159,8 +159,7 @@ def test_generations_batched_together_give_their_solo_outputs(kind, fields):
     prompts = [torch.randint(3, 99, (int(n),), generator=gen).tolist() for n in (4, 9, 2, 6, 12)]
     lengths = [30, 12, 40, 25, 18]
     kwargs = {"seed": 5} if fields.get("decode") else {}
-    # the last two join later: their prefills share passes with the others' verifications
-    texts, sizes, stats = interleaved(engine, prompts, lengths, joins=[0, 0, 0, 1, 2], **kwargs)
+    texts, sizes, stats = interleaved(engine, prompts, lengths, **kwargs)
     assert max(sizes) == len(prompts) and sizes[-1] < len(prompts)  # batched, and generations left
     for prompt, n, text, st in zip(prompts, lengths, texts, stats):
         solo = engine.generate(prompt, max_new_tokens=n, **kwargs)

@@ -394,10 +394,10 @@ def test_lean_forward_on_the_real_targets(name):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prefill_in_a_shared_pass_is_the_prefill_alone(dtype, tmp_path, monkeypatch):
-    """A new request's prompt runs in the pass of the others' plain steps and verifications (the
-    server's continuous batching) on the compiled kernels: the prefill, its features, its last
-    row's logits and the steps beside it all equal what each computes alone, bit for bit (see
-    tests/test_batched.py for prefill kernels that differ from the steps')."""
+    """A prompt's rows (a prefill) in one pass with other sequences' plain steps and verifications
+    on the compiled kernels: the prefill, its features, its last row's logits and the steps beside
+    it all equal what each computes alone, bit for bit (see tests/test_batched.py for prefill
+    kernels that differ from the steps')."""
     from dynaspec.runtime import q8
     from dynaspec.runtime.target import TargetPass
 
@@ -418,7 +418,7 @@ def test_a_prefill_in_a_shared_pass_is_the_prefill_alone(dtype, tmp_path, monkey
             rows = 1 + 2 * i
             out.append(TargetPass(torch.arange(40, 40 + rows), len(ids) + torch.arange(rows), cache,
                                   chain=rows > 1, layers=layers, head=list(range(rows))))
-        for ids in prompts[2:]:  # two joining: their prefills
+        for ids in prompts[2:]:  # two prompts: their prefills
             out.append(TargetPass(ids, torch.arange(len(ids)), tgt.new_cache(4), layers=layers,
                                   head=[len(ids) - 1]))
         return out

@@ -426,18 +426,6 @@ class Engine:
             return torch.cat(parts)
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
-    def _prefill_pass(self, ids: torch.Tensor, cache, layers=None):
-        """The prefill as a pass handed to the caller (see :meth:`stream_passes`: a server runs it
-        with the other requests' passes), or for a long prompt run here in chunks (:meth:`_prefill`).
-        A generator; returns ``(what _prefill returns, the logits of the prompt's last row computed
-        in a shared head product or None)``, adding the prefill's time to ``stats`` itself."""
-        n = ids.numel()
-        if n > LONG_PROMPT:
-            return self._prefill(ids, cache, layers), None
-        step = TargetPass(ids, torch.arange(n, device=ids.device), cache, layers=layers, head=[n - 1])
-        yield step  # the caller runs it (alone, or with other generations' passes)
-        return step.output(), step.logits
-
     def _first_token(self, hidden, verifier, params, generator, logits: torch.Tensor | None = None) -> int:
         """The token after one row ``hidden`` [1, d] (a plain step, or the prompt's last row);
         ``logits``: its logits computed already (a shared head product)."""
@@ -454,10 +442,9 @@ class Engine:
         """Plain decoding with the target alone (the ``baseline`` stack)."""
         target, device = self.target, self.target.device
         cache = target.new_cache(len(ids) + max_new + 1)
-        prefill = self._prefill_pass(torch.tensor(ids, device=device), cache)
-        hidden, logits = yield from _timed_passes(prefill, stats, "prefill")
         with stats.timed("prefill"):
-            token = self._first_token(hidden[-1:], verifier, params, generator, logits)
+            hidden = self._prefill(torch.tensor(ids, device=device), cache)
+            token = self._first_token(hidden[-1:], verifier, params, generator)
         produced, pos = 0, len(ids)
         while True:
             chunk, done = self._finish([token], produced, max_new)
@@ -503,16 +490,16 @@ class Engine:
         width = target.hidden_size * (len(layers) if layers else 1)
         features = (torch.empty(capacity, width, dtype=target.dtype, device=device) if source.needs_features
                     else None)
-        tokens[:len(ids)] = torch.tensor(ids, device=device)
-        hidden, logits = yield from _timed_passes(self._prefill_pass(tokens[:len(ids)], cache, layers), stats, "prefill")
         with stats.timed("prefill"):
+            tokens[:len(ids)] = torch.tensor(ids, device=device)
+            hidden = self._prefill(tokens[:len(ids)], cache, layers)
             if layers:
                 hidden, fed = hidden
             else:
                 fed = hidden
             if features is not None:
                 features[:len(ids)] = fed
-            first = self._first_token(hidden[len(ids) - 1:len(ids)], verifier, params, generator, logits)
+            first = self._first_token(hidden[len(ids) - 1:len(ids)], verifier, params, generator)
         tokens[len(ids)] = first
         n = len(ids) + 1
         chunk, done = self._finish([first], 0, max_new)
@@ -593,27 +580,6 @@ class Engine:
             stats.accepted_lengths.append(len(chunk))  # what this cycle added to the output
             produced += len(chunk)
             yield chunk
-
-def _timed_passes(items: Iterator, stats: GenerationStats, key: str):
-    """``yield from items`` (a generator of target passes), adding to ``stats.times[key]`` the time
-    spent in it and each pass's own ``seconds``, not the time the caller spent elsewhere between
-    them; returns what ``items`` returns."""
-    started = time.perf_counter()
-    try:
-        while True:
-            try:
-                item = next(items)
-            except StopIteration as stop:
-                return stop.value
-            stats.times[key] += time.perf_counter() - started
-            started = None
-            yield item
-            stats.times[key] += getattr(item, "seconds", 0.0)
-            started = time.perf_counter()
-    finally:
-        if started is not None:
-            stats.times[key] += time.perf_counter() - started
-
 
 def _cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     """``text`` cut before the earliest stop string in it, and whether one was found."""

@@ -11,7 +11,7 @@ The planner measures, as the server runs:
 * **the cycle's cost**: seconds ~ ``fixed + per_request * B + per_row * E`` for ``B`` requests in
   the pass and ``E`` drafted rows verified (drafting grows with those rows too). A weighted least
   squares over the last ``WINDOW`` cycles, newer ones weighing more (``DECAY`` per cycle); cycles in
-  which a request joined (its prefill ran in the pass) are left out.
+  which a request joined (its prefill ran inside) are left out.
 * **each request's acceptance per draft position**: ``a[j]``, the share of its drafted cycles that
   drafted position ``j`` and accepted it (:class:`~dynaspec.runtime.gate.DepthControl`). The pooled
   share of every request so far weighs as ``PRIOR_DRAFTS`` drafts while a request has few of its own.

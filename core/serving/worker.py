@@ -10,10 +10,9 @@ Each cycle, every active request drafts on its own (its own caches, drafter stat
 random generator) up to its next plain step or verification, and all those passes go through the
 target together (:meth:`TargetModel.forward_many`: the products once over all the rows, each
 request attending over its own cache). The target's kernels compute every row as they would alone,
-so each request's output is what it gives alone. New requests join between cycles (the prefill of
-a prompt up to ``LONG_PROMPT`` tokens runs in the pass of the cycle it joins, beside the others'
-rows, on the prefill kernels as alone) and finished ones leave. A job whose client went away is
-cancelled: it leaves at the next cycle. An exception inside the engine fails that job alone.
+so each request's output is what it gives alone. New requests join between cycles (their prefill
+runs when they join) and finished ones leave. A job whose client went away is cancelled: it leaves
+at the next cycle. An exception inside the engine fails that job alone.
 
 With several requests in a batch, a :class:`~dynaspec.serving.planner.DepthPlanner` sets how deep
 each drafts this cycle, from the measured cycle costs and each request's acceptance, so that
@@ -72,7 +71,7 @@ class _Active:
     items: Iterator
     control: DepthControl
     started: float = attrs.field(factory=time.perf_counter)
-    #: it has not advanced yet (its first advance hands over its prefill)
+    #: its prefill has not run yet (it runs at its first advance)
     fresh: bool = True
 
 
