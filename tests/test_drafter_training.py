@@ -341,3 +341,44 @@ def test_training_with_bfloat16_products_learns_as_float32_does(tmp_path, fake_p
     assert dt.training_precision("float32") == "float32"
     with pytest.raises(ConfigError, match="precision 'half'"):
         dt.training_precision("half")
+
+
+def test_training_bounds_the_heap_as_the_environment_variable_would(monkeypatch):
+    """Shard after shard of tens of megabytes: glibc is told to serve such blocks by mmap (and give
+    them back), as MALLOC_MMAP_THRESHOLD_=1048576 does; nothing is changed where that is set."""
+    import ctypes
+    import sys
+
+    from dynaspec.training import shards
+
+    calls = []
+
+    class FakeLibc:
+        def mallopt(self, param, value):
+            calls.append((param.value, value.value))
+            return 1
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: FakeLibc())
+    assert shards.bound_heap_growth() is True
+    assert calls == [(-3, 1 << 20)]  # glibc's M_MMAP_THRESHOLD, 1 MiB
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert shards.bound_heap_growth() is False and len(calls) == 1
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    assert shards.bound_heap_growth() is False and len(calls) == 1
+
+
+def test_the_heap_bound_is_set_in_this_process_where_glibc_runs_it():
+    import platform
+
+    from dynaspec.training import shards
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc on Linux only")
+    import os
+
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        pytest.skip("the environment sets it")
+    assert shards.bound_heap_growth() is True

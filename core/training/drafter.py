@@ -32,6 +32,7 @@ from dynaspec.runtime.files import atomic_write
 from dynaspec.runtime.target import TargetModel
 from dynaspec.training import distributed
 from dynaspec.training.shards import (
+    bound_heap_growth,
     describe_shard_set,
     describe_shards,
     layer_inputs_path,
@@ -377,6 +378,7 @@ def train(target: TargetModel, work: Path | Sequence[Path], out: Path, *, epochs
             drafter = widen(drafter, intermediate_size, seed=seed)
         if embed_norm and not config.embed_norm:
             drafter = with_embed_norm(drafter, embedding_rms(target))
+    bound_heap_growth()
     head = target.lm_head_weight.detach()
     freq = _frequent_tokens(paths, frequent)
     total_steps = steps or epochs * max(1, positions(paths) // batch_positions)

@@ -218,8 +218,9 @@ def build_router(target_ref, work: list[str], clusters_ref: str, out: Path, *,
     from dynaspec.errors import ConfigError
     from dynaspec.runtime.targets import load_drafter, load_target, resolve_artifact
     from dynaspec.shortlisters.clusters import load_clusters
-    from dynaspec.training.shards import layer_inputs_path
+    from dynaspec.training.shards import bound_heap_growth, layer_inputs_path
 
+    bound_heap_growth()
     if (core is None) != (frequency_ref is None):
         raise ConfigError("--core and --frequency go together: the hybrid's always-on core is the top "
                           "--core tokens of the --frequency list")
