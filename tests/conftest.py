@@ -144,6 +144,17 @@ def pack_tiles(q: torch.Tensor, lanes: int, tile_rows: int) -> tuple[torch.Tenso
     return packed, q[:, kv:].contiguous()
 
 
+def alone_and_together(tgt, passes) -> tuple[list, list]:
+    """Two sets of the same target passes (``passes()`` makes one): the first run one by one, the
+    second in one ``forward_many``, whose rows must be the first's bit for bit."""
+    alone = passes()
+    for p in alone:
+        tgt.forward_many([p])
+    together = passes()
+    tgt.forward_many(together)
+    return alone, together
+
+
 def interleaved(engine: Engine, prompts, lengths, *, controls=None, limits=None,
                 **kwargs) -> tuple[list[str], list[int], list]:
     """Generate every prompt at once, as the server's worker does: each cycle, every active

@@ -9,6 +9,7 @@ import torch
 
 from conftest import (
     BACKEND,
+    alone_and_together,
     builtin_registry,
     interleaved,
     make_engine,
@@ -53,12 +54,8 @@ def test_each_sequences_rows_in_a_shared_pass_are_its_rows_alone(kind):
                                   tree_mask=shape["mask"], chain=shape["chain"], layers=layers, head=head))
         return out
 
-    alone = passes()
-    for p in alone:
-        tgt.forward_many([p])
-    together = passes()
+    alone, together = alone_and_together(tgt, passes)
     assert [p.is_prefill for p in together] == [False, False, False, True, True]
-    tgt.forward_many(together)
     for a, b in zip(alone, together):
         assert torch.equal(a.result[0], b.result[0]) and torch.equal(a.result[1], b.result[1])
         assert a.cache.get_seq_length() == b.cache.get_seq_length()
@@ -94,11 +91,7 @@ def test_a_prefill_in_a_shared_pass_runs_on_the_prefill_kernels(kind):
                 TargetPass(torch.tensor(prompt), torch.arange(7), tgt.new_cache(64)),
                 TargetPass(torch.tensor([12]), torch.tensor([4]), _filled(tgt, other))]
 
-    alone = passes()
-    for p in alone:
-        tgt.forward_many([p])
-    together = passes()
-    tgt.forward_many(together)
+    alone, together = alone_and_together(tgt, passes)
     for a, b in zip(alone, together):
         assert torch.equal(a.result, b.result)
 

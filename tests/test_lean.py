@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import alone_and_together
 from dynaspec.errors import ConfigError
 from dynaspec.plugins.tiny import tiny_target
 from dynaspec.runtime.target import TargetModel
@@ -423,11 +424,7 @@ def test_a_prefill_in_a_shared_pass_is_the_prefill_alone(dtype, tmp_path, monkey
                                   head=[len(ids) - 1]))
         return out
 
-    alone = passes()
-    for p in alone:
-        tgt.forward_many([p])
-    together = passes()
-    tgt.forward_many(together)
+    alone, together = alone_and_together(tgt, passes)
     for a, b in zip(alone, together):
         assert torch.equal(a.result[0], b.result[0]) and torch.equal(a.result[1], b.result[1])
         assert torch.equal(b.logits, tgt.logits(a.result[0][a.head]))
