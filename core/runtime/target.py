@@ -82,9 +82,9 @@ def _new_kv_cache(capacity: int):
 @attrs.define(eq=False)
 class TargetPass:
     """One sequence's rows for a pass of the target (see :meth:`TargetModel.forward`): a plain
-    step, a verification or a prompt's prefill, handed over by a generation loop so that a driver can run the passes
-    of several sequences together (:meth:`TargetModel.forward_many`); ``seconds``: the time of the
-    pass that computed it (shared with the others in it)."""
+    step or a verification (or a prompt's prefill), handed over by a generation loop so that a
+    driver can run the passes of several sequences together (:meth:`TargetModel.forward_many`);
+    ``seconds``: the time of the pass that computed it (shared with the others in it)."""
 
     ids: torch.Tensor
     positions: torch.Tensor
@@ -413,10 +413,11 @@ class TargetModel:
         bit. The lean forward computes them in one pass over all the rows (see
         ``LeanDecoder.forward_many``), the plain steps and verifications in groups of at most
         :attr:`max_pass_rows` rows and of a row count the numerics probe covered
-        (:attr:`pass_rows`), the prefills in the first group; otherwise each runs alone. Every pass must ask for the same ``layers``. A pass that raises
-        sets its ``error`` and leaves the others' results as they would be without it. With several
-        passes, the logits of every pass's ``head`` rows are computed too, in shared products of
-        the probed head (at most :attr:`max_head_rows` rows each), into its ``logits``."""
+        (:attr:`pass_rows`), the prefills in the first group; otherwise each runs alone. Every pass
+        must ask for the same ``layers``. A pass that raises sets its ``error`` and leaves the
+        others' results as they would be without it. With several passes, the logits of every
+        pass's ``head`` rows are computed too, in shared products of the probed head (at most
+        :attr:`max_head_rows` rows each), into its ``logits``."""
         if not passes:
             return
         layers = passes[0].layers
