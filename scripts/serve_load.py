@@ -1,9 +1,9 @@
 """Load a running `dynaspec serve` the way an application does, and compare configurations.
 
 For each configuration STACK:MAX_BATCH, a server is started (`dynaspec serve --stack STACK
---max-batch MAX_BATCH`, one torch thread) and answers one untimed request, and for each number of concurrent clients, that many
-client threads take dev prompts (in the target's prompt format, through /v1/completions, greedy,
-streamed) from a shared list until it is empty. Reported per configuration and concurrency:
+--max-batch MAX_BATCH`, one torch thread) and answers one untimed request, and for each number of
+concurrent clients, that many client threads take dev prompts (in the target's prompt format,
+through /v1/completions, greedy, streamed) from a shared list until it is empty. Reported per configuration and concurrency:
 aggregate tokens/s (completion tokens of all requests / wall time from the first request to the
 last answer), the median time to the first streamed text, and whether every answer equals the
 same prompt's answer in the first configuration (greedy output is the target's whatever the stack
@@ -57,18 +57,23 @@ def start_server(stack: str, max_batch: int, threads: int, queue: int) -> tuple[
     raise SystemExit(f"the server for {stack} did not become ready")
 
 
+def _client(url: str):
+    """An OpenAI client of the server at ``url``: no retries, no timeout that a long answer meets."""
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+
+
 def load(url: str, model: str, prompts: list[str], clients: int, new_tokens: int) -> dict:
     """``clients`` threads answer ``prompts`` (streamed, greedy); per request its text, completion
     tokens, time to first text and total time; overall the aggregate tokens/s."""
-    import openai
-
     todo = list(enumerate(prompts))
     lock = threading.Lock()
     rows: dict[int, dict] = {}
     errors: list[str] = []
 
     def client() -> None:
-        api = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+        api = _client(url)
         while True:
             with lock:
                 if not todo:
@@ -114,9 +119,7 @@ def warm_up(url: str, model: str, prompt: str, new_tokens: int) -> None:
     weights in (from disk where the page cache lost them), so whichever configuration ran first
     measured slower (session 39: the same stack 0.72x and 0.89x of plain decoding when first, 1.05x
     when second)."""
-    import openai
-
-    api = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    api = _client(url)
     api.completions.create(model=model, prompt=prompt, max_tokens=new_tokens, temperature=0)
 
 

@@ -40,6 +40,8 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 LinearFactory = Callable[[torch.Tensor, "torch.Tensor | None", str], tuple[Linear, Linear, Linear]]
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
+#: which of a layer's three kernels a pass runs on (see ``LeanDecoder.pick``)
+STRICT, RELAXED, PREFILL = 0, 1, 2
 _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 _FAMILIES = {"llama": "llama", "qwen2": "llama", "gemma3_text": "gemma3"}
 
@@ -357,9 +359,11 @@ class LeanDecoder:
     @staticmethod
     def pick(rows: int, tree_mask: "torch.Tensor | None", chain: bool, strict: bool) -> int:
         """Which kernels a pass of ``rows`` runs on: a plain step or a verification (rows plain
-        decoding also computes one at a time) on the strict (0) or relaxed (1) ones, a prompt's
-        causal rows (a prefill) on the prefill kernels (2)."""
-        return (0 if strict else 1) if rows == 1 or chain or tree_mask is not None else 2
+        decoding also computes one at a time) on the strict or relaxed ones, a prompt's causal
+        rows (a prefill) on the prefill kernels."""
+        if rows == 1 or chain or tree_mask is not None:
+            return STRICT if strict else RELAXED
+        return PREFILL
 
     def forward_many(self, ids: torch.Tensor, positions: torch.Tensor,
                      parts: Sequence[tuple[LeanCache, int, "torch.Tensor | None", bool]], *,
@@ -389,7 +393,7 @@ class LeanDecoder:
         blocks: list[list[int]] = []
         at = 0
         for (_, rows, _, _), pick in zip(parts, picks):
-            if blocks and pick != 2 and blocks[-1][2] == pick:
+            if blocks and pick != PREFILL and blocks[-1][2] == pick:
                 blocks[-1][1] += rows
             else:
                 blocks.append([at, at + rows, pick])
