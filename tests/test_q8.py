@@ -183,6 +183,56 @@ def test_rms_norm_matches_torch_row_by_row(width):
         q8.rms_norm(torch.zeros(2, 4), torch.zeros(5), 1e-6)
 
 
+@pytest.mark.parametrize("width", [37, 4864])  # a 16-lane body and a tail, and lanes alone
+def test_silu_mul_is_torchs_gated_activation_row_by_row_on_every_instruction_set(width):
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(5)
+    for dtype in DTYPES:
+        gate_up = (torch.randn(7, 2 * width, generator=gen) * 6).to(dtype)
+        gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])  # the exponential's clamps
+        want = (F.silu(gate_up[:, :width].float()) * gate_up[:, width:].float()).to(dtype)
+        got = q8.silu_mul(gate_up, width)
+        assert got.dtype == dtype and got.shape == (7, width)
+        # torch's exponential is another float32 one: within float32 rounding; bfloat16 rounds twice
+        tol = dict(rtol=1e-6, atol=1e-30) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-30)
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+        # each row on its own, and the same bits from the vector lanes, the scalar tail and every level
+        assert torch.equal(torch.cat([q8.silu_mul(gate_up[i:i + 1], width) for i in range(7)]), got)
+        for level in LEVELS:
+            assert torch.equal(q8.silu_mul(gate_up, width, lib=q8._library(level)), got), level
+        if width > 16:  # an element computed in the lanes equals the same element in the tail
+            shifted = torch.cat([gate_up[:, width - 16:width], gate_up[:, 2 * width - 16:]], dim=1)
+            tail = torch.cat([torch.zeros(7, 1, dtype=dtype), shifted[:, :16], torch.zeros(7, 1, dtype=dtype),
+                              shifted[:, 16:]], dim=1)
+            assert torch.equal(q8.silu_mul(tail, 17)[:, 1:], got[:, width - 16:])
+    with pytest.raises(ValueError, match="rows of 8"):
+        q8.silu_mul(torch.zeros(2, 6), 4)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        q8.silu_mul(torch.zeros(2, 8, dtype=torch.float16), 4)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 40])
+def test_rope_is_torchs_rotary_embedding_bit_for_bit(rows):
+    gen = torch.Generator().manual_seed(6)
+    for dtype in DTYPES:
+        qkv = torch.randn(rows, 20 * 64, generator=gen).to(dtype)
+        x = qkv[:, :18 * 64].view(rows, 18, 64)  # rows at the stride of a wider product, heads contiguous
+        table = torch.randn(rows, 2, 64, generator=gen).to(dtype)
+        cos, sin = table[:, 0:1], table[:, 1:2]
+        want = x * cos + torch.cat((-x[..., 32:], x[..., :32]), dim=-1) * sin
+        got = q8.rope(x, cos, sin)
+        assert got.is_contiguous() and torch.equal(got, want)
+        for level in LEVELS:
+            assert torch.equal(q8.rope(x, cos, sin, lib=q8._library(level)), want), level
+    with pytest.raises(ValueError, match="heads contiguous"):
+        q8.rope(torch.zeros(2, 64, 3).transpose(1, 2), torch.zeros(2, 1, 3), torch.zeros(2, 1, 3))
+    with pytest.raises(ValueError, match="laid out alike"):
+        q8.rope(torch.zeros(2, 3, 8), torch.zeros(2, 1, 8), torch.zeros(1, 1, 8))
+    with pytest.raises(ValueError, match="the same for all"):
+        q8.rope(torch.zeros(2, 3, 8), torch.zeros(2, 1, 8, dtype=torch.bfloat16), torch.zeros(2, 1, 8))
+
+
 @pytest.mark.parametrize("mode", q8.modes() if q8.available() is None else ["float"])
 def test_rows_do_not_depend_on_the_thread_count(mode):
     weight, bias, x = _case(203, 96, seed=2)

@@ -226,9 +226,12 @@ class LeanDecoder:
     :class:`LeanParts`; ``linear`` makes the product of each weight (the numerics probe's choice
     of kernel). ``compiled`` (used with ``weights = "int8"`` and ``"w8a8"``), on a CPU where the
     kernel builds: RMS norms through :func:`dynaspec.runtime.q8.rms_norm` (one call instead of
-    some eight tensor operations; row-wise like the rest), and, where it runs vectorised, plain
-    steps and chains attend through :func:`dynaspec.runtime.q8.attend` (all of a chain's rows in
-    one call per layer, each row as its plain step computes it; else torch's attention row by row)."""
+    some eight tensor operations; row-wise like the rest), the rotary embedding through
+    :func:`~dynaspec.runtime.q8.rope` and a SiLU-gated MLP's activation through
+    :func:`~dynaspec.runtime.q8.silu_mul` (one call each, element by element), and, where it runs
+    vectorised, plain steps and chains attend through :func:`dynaspec.runtime.q8.attend` (all of a
+    chain's rows in one call per layer, each row as its plain step computes it; else torch's
+    attention row by row)."""
 
     def __init__(self, model, linear: LinearFactory = stock_linears, *, compiled: bool = False) -> None:
         parts = model if isinstance(model, LeanParts) else LeanParts.from_model(model)
@@ -248,13 +251,18 @@ class LeanDecoder:
         self.embedding = parts.embedding
         self.dtype = parts.final_norm.dtype
         self.device = parts.final_norm.device
-        self._c_norm = self._c_attend = None
+        self._c_norm = self._c_attend = self._c_rope = self._c_silu_mul = None
         if compiled and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
             from dynaspec.runtime import q8
 
             if q8.available() is None:
                 lib = q8._library()
                 self._c_norm = functools.partial(q8.rms_norm, lib=lib)
+                # the rotary embedding as torch computes it, bit for bit, in one call; the gated
+                # activation in one call (its exponential within 2 ulp of torch's)
+                self._c_rope = functools.partial(q8.rope, lib=lib)
+                if parts.act == "silu":
+                    self._c_silu_mul = functools.partial(q8.silu_mul, lib=lib)
                 # float32 copies of Llama's norm weights (they multiply the rounded row exactly so)
                 for layer in self.layers:
                     layer.norms = [n if n.dtype == torch.float32 else n.float() for n in layer.norms]
@@ -335,7 +343,11 @@ class LeanDecoder:
             return self._attend_row(q[0], keys, values, length, window)
         if chain:  # row by row, each as the plain step at its position computes it
             return torch.cat([self._attend_row(q[i], keys, values, length - t + i + 1, window) for i in range(t)])
-        # a prefill: causal
+        if past == 0 and not window:  # a prompt's first rows: causal over their own keys alone
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, is_causal=True,
+                                                 scale=self.scaling, enable_gqa=self.groups > 1)
+            return out[0].transpose(0, 1).reshape(t, self.heads * self.head_dim)
+        # a prefill after cached rows, or within a sliding window: causal by a mask
         allowed = torch.ones(t, length, dtype=torch.bool, device=q.device)
         allowed[:, past:] = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
         if window:
@@ -426,7 +438,7 @@ class LeanDecoder:
                 qk = torch.cat([self._norm(qk[:, :hq], layer.qk_norm[0]), self._norm(qk[:, hq:], layer.qk_norm[1])],
                                dim=1)
             cos, sin = rotary[kind]
-            qk = self._rotate(qk, cos, sin)
+            qk = self._c_rope(qk, cos, sin) if self._c_rope is not None else self._rotate(qk, cos, sin)
             outs = []
             for (cache, _, _, chain), (a, b, past), tree in zip(parts, bounds, lines):
                 keys, values = cache.layers[index].append(qk[a:b, hq:].transpose(0, 1)[None],
@@ -440,6 +452,9 @@ class LeanDecoder:
                 h = h + attn
                 x = self._norm(h, layer.norms[1])
             gate_up = product(layer.gate_up, x)
-            mlp = product(layer.down, self.act(gate_up[:, :layer.intermediate]) * gate_up[:, layer.intermediate:])
+            if self._c_silu_mul is not None:
+                mlp = product(layer.down, self._c_silu_mul(gate_up, layer.intermediate))
+            else:
+                mlp = product(layer.down, self.act(gate_up[:, :layer.intermediate]) * gate_up[:, layer.intermediate:])
             h = h + (self._norm(mlp, layer.norms[3]) if self.family == "gemma3" else mlp)
         return self._norm(h, self.final_norm), captured

@@ -164,6 +164,10 @@ def _library_for(level: str) -> ctypes.CDLL:
     lib.q8_rms_norm.restype = None
     lib.q8_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                 ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
+    lib.q8_silu_mul.restype = lib.q8_rope.restype = None
+    lib.q8_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.q8_rope.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_void_p,
+                            ctypes.c_int64, ctypes.c_void_p]
     return lib
 
 
@@ -200,6 +204,39 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, round_
     out = torch.empty_like(x)
     (lib or _library()).q8_rms_norm(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel() // max(d, 1), d,
                            None if weight is None else weight.data_ptr(), int(round_first), eps, out.data_ptr())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor, width: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``silu(gate_up[:, :width]) * gate_up[:, width:]`` for 2-D float32 or bfloat16 rows of ``2 *
+    width`` (a gated MLP's gate and up products side by side), in one C call: each element on its
+    own, bfloat16 rounded after the activation and after the product as torch's operations round
+    (the activation's exponential within 2 ulp of torch's in float32)."""
+    if gate_up.dtype not in (torch.float32, torch.bfloat16) or gate_up.dim() != 2 or gate_up.shape[1] != 2 * width:
+        raise ValueError(f"silu_mul of {gate_up.dtype} {tuple(gate_up.shape)}: float32 or bfloat16 rows of {2 * width}")
+    gate_up = gate_up.contiguous()
+    out = torch.empty(gate_up.shape[0], width, dtype=gate_up.dtype)
+    (lib or _library()).q8_silu_mul(gate_up.data_ptr(), int(gate_up.dtype == torch.bfloat16), gate_up.shape[0], width,
+                                    out.data_ptr())
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The rotary embedding ``x * cos + rotate_half(x) * sin`` of ``x`` [T, H, D] (rows of heads;
+    each row's heads contiguous, the rows at any stride) with ``cos`` and ``sin`` [T, 1, D] (each
+    row's angles, shared by its heads), in one C call, as torch's operations compute it in the same
+    dtype (float32 or bfloat16: each product rounded, then the sum), bit for bit. Returns a
+    contiguous [T, H, D]."""
+    t, heads, d = x.shape
+    if x.dtype not in (torch.float32, torch.bfloat16) or cos.dtype != x.dtype or sin.dtype != x.dtype:
+        raise ValueError(f"rope of {x.dtype} with {cos.dtype} angles: float32 or bfloat16, the same for all")
+    if (x.stride(1), x.stride(2)) != (d, 1) or d % 2:
+        raise ValueError(f"rope needs each row's heads contiguous and an even head size, got strides {x.stride()}")
+    if cos.shape != (t, 1, d) or sin.shape != cos.shape or cos.stride() != sin.stride() or cos.stride(2) != 1:
+        raise ValueError(f"rope angles of {tuple(cos.shape)} for rows {tuple(x.shape)}: [T, 1, D], laid out alike")
+    out = torch.empty(t, heads, d, dtype=x.dtype)
+    (lib or _library()).q8_rope(x.data_ptr(), int(x.dtype == torch.bfloat16), t, heads, d, x.stride(0), cos.data_ptr(),
+                                sin.data_ptr(), cos.stride(0), out.data_ptr())
     return out
 
 

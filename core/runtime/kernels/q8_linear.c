@@ -1534,3 +1534,130 @@ void q8_round_bf16(float *y, int64_t n) {
         u[i] = nan ? 0x7fc00000u : r;
     }
 }
+
+/* ---- the lean forward's elementwise steps: the gated activation and the rotary embedding ----------
+ * Each output element depends on its own inputs alone (no sums across a row), so a row's results
+ * never depend on the other rows. Written as plain loops over one row (the compiler vectorises
+ * them; -ffp-contract=off keeps every multiply and add rounded as written). bfloat16 rows (bf16 !=
+ * 0) are rounded after each operation that torch's bfloat16 operations round after. */
+
+/* a bfloat16's value, and a float32 rounded to bfloat16's bits (to nearest even, as to_dtype) */
+static inline float bf16_float(uint16_t v) {
+    union { uint32_t u; float f; } c = {.u = (uint32_t)v << 16};
+    return c.f;
+}
+static inline uint16_t bf16_bits(float v) {
+    union { float f; uint32_t u; } c = {.f = to_dtype(v, 1)};
+    return (uint16_t)(c.u >> 16);
+}
+
+/* e^x in float32 (x clamped to [-87, 88]): x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), e^r by its Taylor
+ * polynomial to degree 7 (relative error below 2e-8 there), times 2^n built in the exponent bits;
+ * within 2 ulp of the exact value */
+static inline float exp_f32(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* to nearest (1.5 * 2^23) */
+    const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { uint32_t u; float f; } s = {.u = (uint32_t)((int32_t)n + 127) << 23};
+    return p * s.f;
+}
+
+/* y [rows][width] = silu(gu[:, :width]) * gu[:, width:] for gate-and-up rows gu [rows][2 width]
+ * (silu(g) = g / (1 + e^-g)): a gated MLP's activation in one pass instead of three tensor
+ * operations. bfloat16: silu(g) is rounded to bfloat16, then the product (torch's two roundings). */
+#if defined(__AVX512F__)
+/* exp_f32 of 16 lanes, by the same operations in the same order (the same bits) */
+static inline __m512 exp16_f32(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
+    const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f))),
+                                   _mm512_mul_ps(n, _mm512_set1_ps(1.42860682030941723e-6f)));
+    static const float c[7] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    for (int i = 0; i < 7; i++) p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c[i]));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* silu(g) * u of 16 lanes as the scalar loop computes them (bf16: rounded after each) */
+static inline __m512 silu_mul16(__m512 g, __m512 u, int bf16) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp16_f32(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    if (bf16) s = _mm512_castsi512_ps(round16_bf16(s));
+    return _mm512_mul_ps(s, u);
+}
+#endif
+
+void q8_silu_mul(const void *gu, int bf16, int64_t rows, int64_t width, void *y) {
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t j0 = 0;
+#if defined(__AVX512F__)
+        for (; j0 + 16 <= width; j0 += 16) {
+            if (bf16) {
+                const uint16_t *g = (const uint16_t *)gu + r * 2 * width + j0;
+                const __m512 gv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                      _mm256_loadu_si256((const __m256i *)g)), 16));
+                const __m512 uv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                      _mm256_loadu_si256((const __m256i *)(g + width))), 16));
+                _mm256_storeu_si256((__m256i *)((uint16_t *)y + r * width + j0),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(round16_bf16(silu_mul16(gv, uv, 1)), 16)));
+            } else {
+                const float *g = (const float *)gu + r * 2 * width + j0;
+                _mm512_storeu_ps((float *)y + r * width + j0,
+                                 silu_mul16(_mm512_loadu_ps(g), _mm512_loadu_ps(g + width), 0));
+            }
+        }
+#endif
+        if (bf16) {
+            const uint16_t *g = (const uint16_t *)gu + r * 2 * width, *u = g + width;
+            uint16_t *out = (uint16_t *)y + r * width;
+            for (int64_t j = j0; j < width; j++) {
+                const float a = bf16_float(g[j]);
+                out[j] = bf16_bits(to_dtype(a / (1.0f + exp_f32(-a)), 1) * bf16_float(u[j]));
+            }
+        } else {
+            const float *g = (const float *)gu + r * 2 * width, *u = g + width;
+            float *out = (float *)y + r * width;
+            for (int64_t j = j0; j < width; j++) out[j] = (g[j] / (1.0f + exp_f32(-g[j]))) * u[j];
+        }
+    }
+}
+
+/* y [rows][heads][d] = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[d/2:], x[:d/2]), for x
+ * rows of `heads` heads of d (row r at x + r * row_stride elements, its heads contiguous) and one
+ * cos and sin row of d per row (at cos + r * cs_stride, sin + r * cs_stride) shared by its heads:
+ * the rotary embedding in one pass instead of five tensor operations, rounded as torch's
+ * bfloat16 operations round (each product, then the sum). */
+void q8_rope(const void *x, int bf16, int64_t rows, int64_t heads, int64_t d, int64_t row_stride,
+             const void *cos, const void *sin, int64_t cs_stride, void *y) {
+    const int64_t half = d / 2;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t in = r * row_stride + h * d, out = (r * heads + h) * d, cs = r * cs_stride;
+            if (bf16) {
+                const uint16_t *xv = (const uint16_t *)x + in, *c = (const uint16_t *)cos + cs,
+                               *s = (const uint16_t *)sin + cs;
+                uint16_t *yv = (uint16_t *)y + out;
+                for (int64_t j = 0; j < half; j++)
+                    yv[j] = bf16_bits(to_dtype(bf16_float(xv[j]) * bf16_float(c[j]), 1) +
+                                      to_dtype(-bf16_float(xv[j + half]) * bf16_float(s[j]), 1));
+                for (int64_t j = half; j < d; j++)
+                    yv[j] = bf16_bits(to_dtype(bf16_float(xv[j]) * bf16_float(c[j]), 1) +
+                                      to_dtype(bf16_float(xv[j - half]) * bf16_float(s[j]), 1));
+            } else {
+                const float *xv = (const float *)x + in, *c = (const float *)cos + cs, *s = (const float *)sin + cs;
+                float *yv = (float *)y + out;
+                for (int64_t j = 0; j < half; j++) yv[j] = xv[j] * c[j] + (-xv[j + half]) * s[j];
+                for (int64_t j = half; j < d; j++) yv[j] = xv[j] * c[j] + xv[j - half] * s[j];
+            }
+        }
+}
