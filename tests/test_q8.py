@@ -183,6 +183,22 @@ def test_rms_norm_matches_torch_row_by_row(width):
         q8.rms_norm(torch.zeros(2, 4), torch.zeros(5), 1e-6)
 
 
+@pytest.mark.parametrize("width", [645, 896])
+def test_add_rms_norm_is_the_addition_then_the_norm_bit_for_bit(width):
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(width, generator=gen)
+    for dtype in DTYPES:
+        h, delta = ((torch.randn(5, width, generator=gen) * 3).to(dtype) for _ in range(2))
+        for round_first in (False, True):
+            total, normed = q8.add_rms_norm(h, delta, w, 1e-6, round_first=round_first)
+            assert torch.equal(total, h + delta)
+            assert torch.equal(normed, q8.rms_norm(h + delta, w, 1e-6, round_first=round_first))
+    with pytest.raises(ValueError, match="alike"):
+        q8.add_rms_norm(torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.bfloat16), None, 1e-6)
+    with pytest.raises(ValueError, match="contiguous float32 vector of 4"):
+        q8.add_rms_norm(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(3), 1e-6)
+
+
 @pytest.mark.parametrize("width", [37, 4864])  # a 16-lane body and a tail, and lanes alone
 def test_silu_mul_is_torchs_gated_activation_row_by_row_on_every_instruction_set(width):
     import torch.nn.functional as F

@@ -251,13 +251,15 @@ class LeanDecoder:
         self.embedding = parts.embedding
         self.dtype = parts.final_norm.dtype
         self.device = parts.final_norm.device
-        self._c_norm = self._c_attend = self._c_rope = self._c_silu_mul = None
+        self._c_norm = self._c_add_norm = self._c_attend = self._c_rope = self._c_silu_mul = None
         if compiled and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
             from dynaspec.runtime import q8
 
             if q8.available() is None:
                 lib = q8._library()
                 self._c_norm = functools.partial(q8.rms_norm, lib=lib)
+                # a residual connection and the norm after it in one call (the same bits as apart)
+                self._c_add_norm = functools.partial(q8.add_rms_norm, lib=lib)
                 # the rotary embedding as torch computes it, bit for bit, in one call; the gated
                 # activation in one call (its exponential within 2 ulp of torch's)
                 self._c_rope = functools.partial(q8.rope, lib=lib)
@@ -296,6 +298,16 @@ class LeanDecoder:
             self._tables[kind] = table
         both = table[positions]
         return both[:, 0:1], both[:, 1:2]
+
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h + delta`` (``h`` itself when ``delta`` is None) and its norm by ``weight``."""
+        if delta is None:
+            return h, self._norm(h, weight)
+        if self._c_add_norm is not None:
+            return self._c_add_norm(h, delta, weight.contiguous(), self.eps, round_first=self.family != "gemma3")
+        h = h + delta
+        return h, self._norm(h, weight)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -427,10 +439,11 @@ class LeanDecoder:
         hd, hq, hkv = self.head_dim, self.heads, self.kv_heads
         rotary = {kind: self._rotary(kind, positions) for kind in set(self._types)}
         captured = {}
+        pending = None  # the last layer's residual, added where the next norm reads the sum
         for index, (layer, kind, window) in enumerate(zip(self.layers, self._types, self.windows)):
+            h, x = self._add_norm(h, pending, layer.norms[0])
             if index in layers:
                 captured[index] = h
-            x = self._norm(h, layer.norms[0])
             qkv = product(layer.qkv, x)
             qk = qkv[:, :(hq + hkv) * hd].view(t, hq + hkv, hd)
             v = qkv[:, (hq + hkv) * hd:].view(t, hkv, hd)
@@ -446,15 +459,13 @@ class LeanDecoder:
                 outs.append(self._attend(qk[a:b, :hq], keys, values, window, positions[a:b], past, tree, chain))
             attn = product(layer.o, outs[0] if len(outs) == 1 else torch.cat(outs))
             if self.family == "gemma3":
-                h = h + self._norm(attn, layer.norms[1])
-                x = self._norm(h, layer.norms[2])
+                h, x = self._add_norm(h, self._norm(attn, layer.norms[1]), layer.norms[2])
             else:
-                h = h + attn
-                x = self._norm(h, layer.norms[1])
+                h, x = self._add_norm(h, attn, layer.norms[1])
             gate_up = product(layer.gate_up, x)
             if self._c_silu_mul is not None:
                 mlp = product(layer.down, self._c_silu_mul(gate_up, layer.intermediate))
             else:
                 mlp = product(layer.down, self.act(gate_up[:, :layer.intermediate]) * gate_up[:, layer.intermediate:])
-            h = h + (self._norm(mlp, layer.norms[3]) if self.family == "gemma3" else mlp)
-        return self._norm(h, self.final_norm), captured
+            pending = self._norm(mlp, layer.norms[3]) if self.family == "gemma3" else mlp
+        return self._add_norm(h, pending, self.final_norm)[1], captured

@@ -164,6 +164,9 @@ def _library_for(level: str) -> ctypes.CDLL:
     lib.q8_rms_norm.restype = None
     lib.q8_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                 ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
+    lib.q8_add_rms_norm.restype = None
+    lib.q8_add_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                    ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
     lib.q8_silu_mul.restype = lib.q8_rope.restype = None
     lib.q8_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.q8_rope.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_void_p,
@@ -205,6 +208,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, round_
     (lib or _library()).q8_rms_norm(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel() // max(d, 1), d,
                            None if weight is None else weight.data_ptr(), int(round_first), eps, out.data_ptr())
     return out
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor | None, eps: float, *,
+                 round_first: bool = False, lib: ctypes.CDLL | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h + delta, rms_norm(h + delta, weight, eps))`` in one C call: a residual connection (the
+    sum rounded to the dtype as torch's addition rounds it) and the norm that reads it, the same bits
+    as the two apart (:func:`rms_norm`)."""
+    if h.dtype not in (torch.float32, torch.bfloat16) or delta.dtype != h.dtype or delta.shape != h.shape:
+        raise ValueError(f"add_rms_norm of {h.dtype} {tuple(h.shape)} and {delta.dtype} {tuple(delta.shape)}: "
+                         "float32 or bfloat16, alike")
+    d = h.shape[-1]
+    if weight is not None and (weight.dtype != torch.float32 or weight.numel() != d or not weight.is_contiguous()):
+        raise ValueError(f"add_rms_norm weight must be a contiguous float32 vector of {d}")
+    h, delta = h.contiguous(), delta.contiguous()
+    total, normed = torch.empty_like(h), torch.empty_like(h)
+    (lib or _library()).q8_add_rms_norm(h.data_ptr(), delta.data_ptr(), int(h.dtype == torch.bfloat16),
+                                        h.numel() // max(d, 1), d, None if weight is None else weight.data_ptr(),
+                                        int(round_first), eps, total.data_ptr(), normed.data_ptr())
+    return total, normed
 
 
 def silu_mul(gate_up: torch.Tensor, width: int, lib: ctypes.CDLL | None = None) -> torch.Tensor:

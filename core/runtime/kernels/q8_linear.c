@@ -259,6 +259,27 @@ void q8_rms_norm(const void *x, int bf16, int64_t rows, int64_t d, const float *
     }
 }
 
+/* h_out = h + delta (rounded to the dtype, as torch's addition rounds), then x = q8_rms_norm(h_out):
+ * a residual connection and the next norm in one call, the same bits as the two apart */
+void q8_add_rms_norm(const void *h, const void *delta, int bf16, int64_t rows, int64_t d, const float *w,
+                     int round_first, float eps, void *h_out, void *x) {
+    const int64_t n = rows * d;
+    if (bf16) {
+        const uint16_t *a = (const uint16_t *)h, *b = (const uint16_t *)delta;
+        uint16_t *o = (uint16_t *)h_out;
+        for (int64_t i = 0; i < n; i++) {
+            union { uint32_t u; float f; } p = {.u = (uint32_t)a[i] << 16}, q = {.u = (uint32_t)b[i] << 16};
+            union { float f; uint32_t u; } r = {.f = to_dtype(p.f + q.f, 1)};
+            o[i] = (uint16_t)(r.u >> 16);
+        }
+    } else {
+        const float *a = (const float *)h, *b = (const float *)delta;
+        float *o = (float *)h_out;
+        for (int64_t i = 0; i < n; i++) o[i] = a[i] + b[i];
+    }
+    q8_rms_norm(h_out, bf16, rows, d, w, round_first, eps, x);
+}
+
 /* ---- int16 activations: integer dot products ---------------------------------------------------------
  * Each activation row is quantised to int16 with one scale of its own (its largest magnitude over
  * 32767), the int8 weights are widened to int16 (one instruction per 32 or 16 weights), and the
