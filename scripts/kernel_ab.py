@@ -13,6 +13,7 @@ prefill of token sequences of those lengths (median of 9 passes each way), the r
     python scripts/kernel_ab.py --switch pairs --stack qwen-baseline --lengths 32 64 128 201 333
     python scripts/kernel_ab.py --switch attend --stack default
     python scripts/kernel_ab.py --switch compiled-attend --stack qwen-baseline
+    python scripts/kernel_ab.py --switch elementwise --stack qwen-baseline
 
 With a drafting stack the two ways share the engine's measured costs (the cost planner's plain
 step and verification times): time plain decoding for the cleanest ratio.
@@ -26,10 +27,12 @@ import statistics
 
 #: each switch's two ways, the change's first
 NAMES = {"epilogue": ("epilogue", "converted"), "pairs": ("pairs", "alone"), "attend": ("tiles", "vector"),
-         "compiled-attend": ("compiled", "torch")}
+         "compiled-attend": ("compiled", "torch"), "elementwise": ("compiled", "torch")}
 #: the switches whose two ways are different roundings (outputs compared, not required equal)
-ROUNDINGS = {"attend", "compiled-attend"}
-#: for ``compiled-attend``: the lean forward and its compiled attention (set by :func:`main`)
+ROUNDINGS = {"attend", "compiled-attend", "elementwise"}
+#: the lean forward's compiled pieces that a switch turns off and on again
+_PIECES = {"compiled-attend": ("_c_attend",), "elementwise": ("_c_rope", "_c_silu_mul", "_c_add_norm")}
+#: for ``compiled-attend`` and ``elementwise``: the lean forward and those pieces (set by :func:`main`)
 _LEAN: dict[str, object] = {}
 
 
@@ -37,8 +40,9 @@ def _switch(which: str, on: bool) -> None:
     """Turn the kernel change ``which`` on or off (the same bits either way, but for the roundings)."""
     from dynaspec.runtime import q8
 
-    if which == "compiled-attend":
-        _LEAN["lean"]._c_attend = _LEAN["attend"] if on else None
+    if which in _PIECES:
+        for piece in _PIECES[which]:
+            setattr(_LEAN["lean"], piece, _LEAN[piece] if on else None)
     elif which == "epilogue":
         q8.BF16_EPILOGUE = on
     elif which == "attend":
@@ -67,12 +71,12 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     engine = Engine.from_stack(args.stack)
-    if args.switch == "compiled-attend":
+    if args.switch in _PIECES:
         lean = getattr(engine.target, "_lean", None)
-        if lean is None or lean._c_attend is None:
-            raise SystemExit(f"{args.stack}: its target does not attend through the compiled kernel here "
-                             "(it needs the int8 or w8a8 weights, and AVX-512 or AVX2)")
-        _LEAN.update(lean=lean, attend=lean._c_attend)
+        if lean is None or any(getattr(lean, piece) is None for piece in _PIECES[args.switch]):
+            raise SystemExit(f"{args.stack}: its target does not run {args.switch!r} through the compiled kernel "
+                             "here (it needs the int8 or w8a8 weights, and for the attention AVX-512 or AVX2)")
+        _LEAN.update(lean=lean, **{piece: getattr(lean, piece) for piece in _PIECES[args.switch]})
     if args.lengths:
         return _prefills(engine.target, args)
     with open(args.questions) as f:

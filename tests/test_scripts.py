@@ -305,11 +305,13 @@ def test_draft_cold_times_the_draft_step_after_a_target_pass(tmp_path):
     assert refused.returncode != 0 and "has no trained drafter" in refused.stderr
 
 
-def test_kernel_ab_refuses_to_switch_an_attention_the_target_does_not_compile(tmp_path):
-    """scripts/kernel_ab.py --switch compiled-attend on a target in its own dtype (no compiled
-    kernels): a clear refusal before any timing, not an A/B of two identical ways."""
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_ab.py"), "--switch", "compiled-attend",
+@pytest.mark.parametrize("switch", ["compiled-attend", "elementwise"])
+def test_kernel_ab_refuses_to_switch_what_the_target_does_not_compile(tmp_path, switch):
+    """scripts/kernel_ab.py --switch compiled-attend or elementwise on a target in its own dtype (no
+    compiled kernels): a clear refusal before any timing, not an A/B of two identical ways."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_ab.py"), "--switch", switch,
                            "--stack", "tiny-baseline", "--count", "1", "--new-tokens", "2", "--rounds", "1"],
                           capture_output=True, text=True, env={**os.environ, "DYNASPEC_CACHE_DIR": str(tmp_path)})
     assert done.returncode != 0
-    assert "does not attend through the compiled kernel" in done.stderr and "median step" not in done.stdout
+    assert f"does not run {switch!r} through the compiled kernel" in done.stderr
+    assert "median step" not in done.stdout

@@ -199,6 +199,23 @@ static inline __m512i round16_bf16(__m512 v) {
     return _mm512_mask_mov_epi32(r, nan, u);
 }
 
+/* 16 bfloat16 values as float32 lanes; 16 float32 lanes rounded to bfloat16 (to nearest even, as
+ * to_dtype rounds a finite value), as float32 lanes or stored as bfloat16 */
+static inline __m512 bf16x16_load(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline __m256i bf16x16_bits(__m512 v) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(v);  /* one instruction where the processor has it */
+#else
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(round16_bf16(v), 16));
+#endif
+}
+static inline __m512 bf16x16_round(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_bits(v)), 16));
+}
+static inline void bf16x16_store(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, bf16x16_bits(v)); }
+
 /* rows of a width that is a multiple of 16: the squares summed in 16 lanes, then the lanes in a
  * fixed order; each row by the same operations whatever the row count */
 static void rms_norm16(const void *x, int bf16, int64_t rows, int64_t d, const float *w, int round_first,
@@ -264,10 +281,17 @@ void q8_rms_norm(const void *x, int bf16, int64_t rows, int64_t d, const float *
 void q8_add_rms_norm(const void *h, const void *delta, int bf16, int64_t rows, int64_t d, const float *w,
                      int round_first, float eps, void *h_out, void *x) {
     const int64_t n = rows * d;
+    int64_t i0 = 0;
+#if defined(__AVX512F__)
+    if (bf16)
+        for (; i0 + 16 <= n; i0 += 16)
+            bf16x16_store((uint16_t *)h_out + i0, _mm512_add_ps(bf16x16_load((const uint16_t *)h + i0),
+                                                                bf16x16_load((const uint16_t *)delta + i0)));
+#endif
     if (bf16) {
         const uint16_t *a = (const uint16_t *)h, *b = (const uint16_t *)delta;
         uint16_t *o = (uint16_t *)h_out;
-        for (int64_t i = 0; i < n; i++) {
+        for (int64_t i = i0; i < n; i++) {
             union { uint32_t u; float f; } p = {.u = (uint32_t)a[i] << 16}, q = {.u = (uint32_t)b[i] << 16};
             union { float f; uint32_t u; } r = {.f = to_dtype(p.f + q.f, 1)};
             o[i] = (uint16_t)(r.u >> 16);
@@ -1613,7 +1637,7 @@ static inline __m512 exp16_f32(__m512 x) {
 static inline __m512 silu_mul16(__m512 g, __m512 u, int bf16) {
     const __m512 one = _mm512_set1_ps(1.0f);
     __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp16_f32(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-    if (bf16) s = _mm512_castsi512_ps(round16_bf16(s));
+    if (bf16) s = bf16x16_round(s);
     return _mm512_mul_ps(s, u);
 }
 #endif
@@ -1625,12 +1649,8 @@ void q8_silu_mul(const void *gu, int bf16, int64_t rows, int64_t width, void *y)
         for (; j0 + 16 <= width; j0 += 16) {
             if (bf16) {
                 const uint16_t *g = (const uint16_t *)gu + r * 2 * width + j0;
-                const __m512 gv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                      _mm256_loadu_si256((const __m256i *)g)), 16));
-                const __m512 uv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                      _mm256_loadu_si256((const __m256i *)(g + width))), 16));
-                _mm256_storeu_si256((__m256i *)((uint16_t *)y + r * width + j0),
-                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(round16_bf16(silu_mul16(gv, uv, 1)), 16)));
+                bf16x16_store((uint16_t *)y + r * width + j0,
+                              silu_mul16(bf16x16_load(g), bf16x16_load(g + width), 1));
             } else {
                 const float *g = (const float *)gu + r * 2 * width + j0;
                 _mm512_storeu_ps((float *)y + r * width + j0,
