@@ -226,8 +226,9 @@ class LeanDecoder:
     :class:`LeanParts`; ``linear`` makes the product of each weight (the numerics probe's choice
     of kernel). ``compiled`` (used with ``weights = "int8"`` and ``"w8a8"``), on a CPU where the
     kernel builds: RMS norms through :func:`dynaspec.runtime.q8.rms_norm` (one call instead of
-    some eight tensor operations; row-wise like the rest), the rotary embedding through
-    :func:`~dynaspec.runtime.q8.rope` and a SiLU-gated MLP's activation through
+    some eight tensor operations; row-wise like the rest; each residual connection added in the
+    call of the norm that reads it, :func:`~dynaspec.runtime.q8.add_rms_norm`), the rotary
+    embedding through :func:`~dynaspec.runtime.q8.rope` and a SiLU-gated MLP's activation through
     :func:`~dynaspec.runtime.q8.silu_mul` (one call each, element by element), and, where it runs
     vectorised, plain steps and chains attend through :func:`dynaspec.runtime.q8.attend` (all of a
     chain's rows in one call per layer, each row as its plain step computes it; else torch's
