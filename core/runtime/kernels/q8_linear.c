@@ -1582,9 +1582,10 @@ void q8_round_bf16(float *y, int64_t n) {
 
 /* ---- the lean forward's elementwise steps: the gated activation and the rotary embedding ----------
  * Each output element depends on its own inputs alone (no sums across a row), so a row's results
- * never depend on the other rows. Written as plain loops over one row (the compiler vectorises
- * them; -ffp-contract=off keeps every multiply and add rounded as written). bfloat16 rows (bf16 !=
- * 0) are rounded after each operation that torch's bfloat16 operations round after. */
+ * never depend on the other rows. Plain loops (the compiler vectorises them; -ffp-contract=off keeps
+ * every multiply and add rounded as written), and the activation 16 lanes at a time where AVX-512
+ * runs, by the same operations in the same order as its scalar loop. bfloat16 rows (bf16 != 0) are
+ * rounded after each operation that torch's bfloat16 operations round after. */
 
 /* a bfloat16's value, and a float32 rounded to bfloat16's bits (to nearest even, as to_dtype) */
 static inline float bf16_float(uint16_t v) {
@@ -1615,9 +1616,6 @@ static inline float exp_f32(float x) {
     return p * s.f;
 }
 
-/* y [rows][width] = silu(gu[:, :width]) * gu[:, width:] for gate-and-up rows gu [rows][2 width]
- * (silu(g) = g / (1 + e^-g)): a gated MLP's activation in one pass instead of three tensor
- * operations. bfloat16: silu(g) is rounded to bfloat16, then the product (torch's two roundings). */
 #if defined(__AVX512F__)
 /* exp_f32 of 16 lanes, by the same operations in the same order (the same bits) */
 static inline __m512 exp16_f32(__m512 x) {
@@ -1642,6 +1640,9 @@ static inline __m512 silu_mul16(__m512 g, __m512 u, int bf16) {
 }
 #endif
 
+/* y [rows][width] = silu(gu[:, :width]) * gu[:, width:] for gate-and-up rows gu [rows][2 width]
+ * (silu(g) = g / (1 + e^-g)): a gated MLP's activation in one pass instead of three tensor
+ * operations. bfloat16: silu(g) is rounded to bfloat16, then the product (torch's two roundings). */
 void q8_silu_mul(const void *gu, int bf16, int64_t rows, int64_t width, void *y) {
     for (int64_t r = 0; r < rows; r++) {
         int64_t j0 = 0;
