@@ -262,7 +262,7 @@ class LeanDecoder:
                 # a residual connection and the norm after it in one call (the same bits as apart)
                 self._c_add_norm = functools.partial(q8.add_rms_norm, lib=lib)
                 # the rotary embedding as torch computes it, bit for bit, in one call; the gated
-                # activation in one call (its exponential within 2 ulp of torch's)
+                # activation in one call (within float32 rounding of torch's)
                 self._c_rope = functools.partial(q8.rope, lib=lib)
                 if parts.act == "silu":
                     self._c_silu_mul = functools.partial(q8.silu_mul, lib=lib)

@@ -233,7 +233,8 @@ def silu_mul(gate_up: torch.Tensor, width: int, lib: ctypes.CDLL | None = None) 
     """``silu(gate_up[:, :width]) * gate_up[:, width:]`` for 2-D float32 or bfloat16 rows of ``2 *
     width`` (a gated MLP's gate and up products side by side), in one C call: each element on its
     own, bfloat16 rounded after the activation and after the product as torch's operations round
-    (the activation's exponential within 2 ulp of torch's in float32)."""
+    (the exponential is the attention kernel's, of ``-|gate|`` only: within float32 rounding of
+    torch's activation, not its bits)."""
     if gate_up.dtype not in (torch.float32, torch.bfloat16) or gate_up.dim() != 2 or gate_up.shape[1] != 2 * width:
         raise ValueError(f"silu_mul of {gate_up.dtype} {tuple(gate_up.shape)}: float32 or bfloat16 rows of {2 * width}")
     gate_up = gate_up.contiguous()

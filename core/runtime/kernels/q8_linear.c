@@ -1582,10 +1582,11 @@ void q8_round_bf16(float *y, int64_t n) {
 
 /* ---- the lean forward's elementwise steps: the gated activation and the rotary embedding ----------
  * Each output element depends on its own inputs alone (no sums across a row), so a row's results
- * never depend on the other rows. Plain loops (the compiler vectorises them; -ffp-contract=off keeps
- * every multiply and add rounded as written), and the activation 16 lanes at a time where AVX-512
- * runs, by the same operations in the same order as its scalar loop. bfloat16 rows (bf16 != 0) are
- * rounded after each operation that torch's bfloat16 operations round after. */
+ * never depend on the other rows. Plain loops (-ffp-contract=off keeps every multiply and add
+ * rounded as written), and the activation 16 or 8 lanes at a time where AVX-512 or AVX2 runs, by
+ * the same operations in the same order as its scalar loop (its exponential is the attention's).
+ * bfloat16 rows (bf16 != 0) are rounded after each operation that torch's bfloat16 operations
+ * round after. */
 
 /* a bfloat16's value, and a float32 rounded to bfloat16's bits (to nearest even, as to_dtype) */
 static inline float bf16_float(uint16_t v) {
@@ -1597,51 +1598,52 @@ static inline uint16_t bf16_bits(float v) {
     return (uint16_t)(c.u >> 16);
 }
 
-/* e^x in float32 (x clamped to [-87, 88]): x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), e^r by its Taylor
- * polynomial to degree 7 (relative error below 2e-8 there), times 2^n built in the exponent bits;
- * within 2 ulp of the exact value */
-static inline float exp_f32(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* to nearest (1.5 * 2^23) */
-    const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { uint32_t u; float f; } s = {.u = (uint32_t)((int32_t)n + 127) << 23};
+/* exp_nonpositive and exp_nonpositive8 (the attention's) for one float: the same reduction and
+ * polynomial by fused multiply-adds (fmaf rounds once, as theirs do), so the same bits as a lane of
+ * theirs; x <= 0 */
+static inline float exp_nonpositive1(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = nearbyintf(x * 1.44269504088896341f);
+    float r = fmaf(-n, 0.693145751953125f, x);
+    r = fmaf(-n, 1.42860682030941723212e-6f, r);
+    float p = 1.0f / 720.0f;
+    p = fmaf(p, r, 1.0f / 120.0f);
+    p = fmaf(p, r, 1.0f / 24.0f);
+    p = fmaf(p, r, 1.0f / 6.0f);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    union { uint32_t u; float f; } s = {.u = (uint32_t)((int32_t)n + 127) << 23};  /* 2^n, n >= -126 */
     return p * s.f;
 }
 
-#if defined(__AVX512F__)
-/* exp_f32 of 16 lanes, by the same operations in the same order (the same bits) */
-static inline __m512 exp16_f32(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 magic = _mm512_set1_ps(12582912.0f);
-    const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), magic), magic);
-    const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f))),
-                                   _mm512_mul_ps(n, _mm512_set1_ps(1.42860682030941723e-6f)));
-    static const float c[7] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    for (int i = 0; i < 7; i++) p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c[i]));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+/* silu(g) = g / (1 + e^-g), as g * e / (1 + e) with e = e^g below zero: the exponential of -|g| only */
+static inline float silu1(float g) {
+    const float e = exp_nonpositive1(-fabsf(g));
+    return (g < 0.0f ? g * e : g) / (1.0f + e);
 }
 
-/* silu(g) * u of 16 lanes as the scalar loop computes them (bf16: rounded after each) */
+#if defined(__AVX512F__)
+/* silu1(g) * u of 16 lanes (bf16: silu rounded to bfloat16 first), by the same operations */
 static inline __m512 silu_mul16(__m512 g, __m512 u, int bf16) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp16_f32(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    const __m512 num = _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), g, e);
+    __m512 s = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
     if (bf16) s = bf16x16_round(s);
     return _mm512_mul_ps(s, u);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* silu1(g) * u of 8 float32 lanes, by the same operations */
+static inline __m256 silu_mul8(__m256 g, __m256 u) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 e = exp_nonpositive8(_mm256_or_ps(g, sign));  /* -|g| */
+    const __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ));
+    return _mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
 }
 #endif
 
 /* y [rows][width] = silu(gu[:, :width]) * gu[:, width:] for gate-and-up rows gu [rows][2 width]
- * (silu(g) = g / (1 + e^-g)): a gated MLP's activation in one pass instead of three tensor
+ * (silu1): a gated MLP's activation in one pass instead of three tensor
  * operations. bfloat16: silu(g) is rounded to bfloat16, then the product (torch's two roundings). */
 void q8_silu_mul(const void *gu, int bf16, int64_t rows, int64_t width, void *y) {
     for (int64_t r = 0; r < rows; r++) {
@@ -1658,18 +1660,21 @@ void q8_silu_mul(const void *gu, int bf16, int64_t rows, int64_t width, void *y)
                                  silu_mul16(_mm512_loadu_ps(g), _mm512_loadu_ps(g + width), 0));
             }
         }
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (; !bf16 && j0 + 8 <= width; j0 += 8) {
+            const float *g = (const float *)gu + r * 2 * width + j0;
+            _mm256_storeu_ps((float *)y + r * width + j0, silu_mul8(_mm256_loadu_ps(g), _mm256_loadu_ps(g + width)));
+        }
 #endif
         if (bf16) {
             const uint16_t *g = (const uint16_t *)gu + r * 2 * width, *u = g + width;
             uint16_t *out = (uint16_t *)y + r * width;
-            for (int64_t j = j0; j < width; j++) {
-                const float a = bf16_float(g[j]);
-                out[j] = bf16_bits(to_dtype(a / (1.0f + exp_f32(-a)), 1) * bf16_float(u[j]));
-            }
+            for (int64_t j = j0; j < width; j++)
+                out[j] = bf16_bits(to_dtype(silu1(bf16_float(g[j])), 1) * bf16_float(u[j]));
         } else {
             const float *g = (const float *)gu + r * 2 * width, *u = g + width;
             float *out = (float *)y + r * width;
-            for (int64_t j = j0; j < width; j++) out[j] = (g[j] / (1.0f + exp_f32(-g[j]))) * u[j];
+            for (int64_t j = j0; j < width; j++) out[j] = silu1(g[j]) * u[j];
         }
     }
 }
