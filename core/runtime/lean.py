@@ -253,6 +253,8 @@ class LeanDecoder:
         self.dtype = parts.final_norm.dtype
         self.device = parts.final_norm.device
         self._c_norm = self._c_add_norm = self._c_attend = self._c_rope = self._c_silu_mul = None
+        #: the compiled norm rounds the normed row before its weight multiplies it (Llama's order)
+        self._round_first = self.family != "gemma3"
         if compiled and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
             from dynaspec.runtime import q8
 
@@ -281,7 +283,7 @@ class LeanDecoder:
     # -- pieces ------------------------------------------------------------------------------------
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._c_norm is not None:
-            return self._c_norm(x, weight.contiguous(), self.eps, round_first=self.family != "gemma3")
+            return self._c_norm(x, weight.contiguous(), self.eps, round_first=self._round_first)
         if self.family == "gemma3":
             return F.rms_norm(x.float(), (x.shape[-1],), weight, self.eps).to(x.dtype)
         return weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
@@ -306,7 +308,7 @@ class LeanDecoder:
         if delta is None:
             return h, self._norm(h, weight)
         if self._c_add_norm is not None:
-            return self._c_add_norm(h, delta, weight.contiguous(), self.eps, round_first=self.family != "gemma3")
+            return self._c_add_norm(h, delta, weight.contiguous(), self.eps, round_first=self._round_first)
         h = h + delta
         return h, self._norm(h, weight)
 

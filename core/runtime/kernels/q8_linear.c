@@ -288,19 +288,7 @@ void q8_add_rms_norm(const void *h, const void *delta, int bf16, int64_t rows, i
             bf16x16_store((uint16_t *)h_out + i0, _mm512_add_ps(bf16x16_load((const uint16_t *)h + i0),
                                                                 bf16x16_load((const uint16_t *)delta + i0)));
 #endif
-    if (bf16) {
-        const uint16_t *a = (const uint16_t *)h, *b = (const uint16_t *)delta;
-        uint16_t *o = (uint16_t *)h_out;
-        for (int64_t i = i0; i < n; i++) {
-            union { uint32_t u; float f; } p = {.u = (uint32_t)a[i] << 16}, q = {.u = (uint32_t)b[i] << 16};
-            union { float f; uint32_t u; } r = {.f = to_dtype(p.f + q.f, 1)};
-            o[i] = (uint16_t)(r.u >> 16);
-        }
-    } else {
-        const float *a = (const float *)h, *b = (const float *)delta;
-        float *o = (float *)h_out;
-        for (int64_t i = 0; i < n; i++) o[i] = a[i] + b[i];
-    }
+    for (int64_t i = i0; i < n; i++) store_any(h_out, bf16, i, load_any(h, bf16, i) + load_any(delta, bf16, i));
     q8_rms_norm(h_out, bf16, rows, d, w, round_first, eps, x);
 }
 
@@ -1588,16 +1576,6 @@ void q8_round_bf16(float *y, int64_t n) {
  * bfloat16 rows (bf16 != 0) are rounded after each operation that torch's bfloat16 operations
  * round after. */
 
-/* a bfloat16's value, and a float32 rounded to bfloat16's bits (to nearest even, as to_dtype) */
-static inline float bf16_float(uint16_t v) {
-    union { uint32_t u; float f; } c = {.u = (uint32_t)v << 16};
-    return c.f;
-}
-static inline uint16_t bf16_bits(float v) {
-    union { float f; uint32_t u; } c = {.f = to_dtype(v, 1)};
-    return (uint16_t)(c.u >> 16);
-}
-
 /* exp_nonpositive and exp_nonpositive8 (the attention's) for one float: the same reduction and
  * polynomial by fused multiply-adds (fmaf rounds once, as theirs do), so the same bits as a lane of
  * theirs; x <= 0 */
@@ -1666,15 +1644,9 @@ void q8_silu_mul(const void *gu, int bf16, int64_t rows, int64_t width, void *y)
             _mm256_storeu_ps((float *)y + r * width + j0, silu_mul8(_mm256_loadu_ps(g), _mm256_loadu_ps(g + width)));
         }
 #endif
-        if (bf16) {
-            const uint16_t *g = (const uint16_t *)gu + r * 2 * width, *u = g + width;
-            uint16_t *out = (uint16_t *)y + r * width;
-            for (int64_t j = j0; j < width; j++)
-                out[j] = bf16_bits(to_dtype(silu1(bf16_float(g[j])), 1) * bf16_float(u[j]));
-        } else {
-            const float *g = (const float *)gu + r * 2 * width, *u = g + width;
-            float *out = (float *)y + r * width;
-            for (int64_t j = j0; j < width; j++) out[j] = silu1(g[j]) * u[j];
+        for (int64_t j = j0; j < width; j++) {
+            const float s = to_dtype(silu1(load_any(gu, bf16, r * 2 * width + j)), bf16);
+            store_any(y, bf16, r * width + j, s * load_any(gu, bf16, r * 2 * width + width + j));
         }
     }
 }
@@ -1690,21 +1662,10 @@ void q8_rope(const void *x, int bf16, int64_t rows, int64_t heads, int64_t d, in
     for (int64_t r = 0; r < rows; r++)
         for (int64_t h = 0; h < heads; h++) {
             const int64_t in = r * row_stride + h * d, out = (r * heads + h) * d, cs = r * cs_stride;
-            if (bf16) {
-                const uint16_t *xv = (const uint16_t *)x + in, *c = (const uint16_t *)cos + cs,
-                               *s = (const uint16_t *)sin + cs;
-                uint16_t *yv = (uint16_t *)y + out;
-                for (int64_t j = 0; j < half; j++)
-                    yv[j] = bf16_bits(to_dtype(bf16_float(xv[j]) * bf16_float(c[j]), 1) +
-                                      to_dtype(-bf16_float(xv[j + half]) * bf16_float(s[j]), 1));
-                for (int64_t j = half; j < d; j++)
-                    yv[j] = bf16_bits(to_dtype(bf16_float(xv[j]) * bf16_float(c[j]), 1) +
-                                      to_dtype(bf16_float(xv[j - half]) * bf16_float(s[j]), 1));
-            } else {
-                const float *xv = (const float *)x + in, *c = (const float *)cos + cs, *s = (const float *)sin + cs;
-                float *yv = (float *)y + out;
-                for (int64_t j = 0; j < half; j++) yv[j] = xv[j] * c[j] + (-xv[j + half]) * s[j];
-                for (int64_t j = half; j < d; j++) yv[j] = xv[j] * c[j] + xv[j - half] * s[j];
+            for (int64_t j = 0; j < d; j++) {
+                const float o = j < half ? -load_any(x, bf16, in + j + half) : load_any(x, bf16, in + j - half);
+                store_any(y, bf16, out + j, to_dtype(load_any(x, bf16, in + j) * load_any(cos, bf16, cs + j), bf16) +
+                                            to_dtype(o * load_any(sin, bf16, cs + j), bf16));
             }
         }
 }
