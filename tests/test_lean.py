@@ -176,10 +176,11 @@ def test_lean_tree_rows_equal_the_plain_steps_along_their_lines(case, dtype, tmp
     assert torch.equal(rows, plain)
 
 
-def test_quantised_targets_guarantee_trees_of_15_drafted_tokens(tmp_path, monkeypatch):
-    """The quantised kernels' probe covers every row count to 16, the head's too: a tree of 15
-    drafted tokens (16 rows, one AMX tile group where the processor has them) is verified under the
-    guarantee, each row equal to the plain step along its line."""
+def test_quantised_targets_guarantee_trees_beyond_one_tile_group(tmp_path, monkeypatch):
+    """The quantised kernels' probe covers every row count to 64, the head's too: trees of 15 and
+    31 drafted tokens (16 rows, one AMX tile group where the processor has them; 32 rows, two
+    groups sharing each weight tile) are verified under the guarantee, each row equal to the plain
+    step along its line. The same row counts are what one batched pass of several requests holds."""
     from dynaspec.runtime import q8, quantized
 
     monkeypatch.setenv("DYNASPEC_CACHE_DIR", str(tmp_path))
@@ -187,10 +188,49 @@ def test_quantised_targets_guarantee_trees_of_15_drafted_tokens(tmp_path, monkey
         pytest.skip("the compiled attention runs vectorised with AVX-512 or AVX2 only")
     tgt = _qwen2_target(hidden=256, heads=4).to(dtype=torch.bfloat16).use_weights(_compiled_weights())
     tgt.make_batch_invariant()
-    assert tgt.probed_rows == tgt.max_head_rows == quantized.PROBE_ROWS == 16
+    assert tgt.probed_rows == tgt.max_head_rows == tgt.max_pass_rows == quantized.PROBE_ROWS == 64
     ids = torch.randint(3, 100, (12,), generator=torch.Generator().manual_seed(3))
-    rows, plain = _tree_rows_and_lines(tgt, ids, 9, more=8)
-    assert rows.shape[0] == 16 and torch.equal(rows, plain)
+    for more, count in ((8, 16), (24, 32)):
+        rows, plain = _tree_rows_and_lines(tgt, ids, 9, more=more)
+        assert rows.shape[0] == count and torch.equal(rows, plain)
+
+
+def test_quantised_batched_passes_of_up_to_64_rows_are_each_sequences_rows_alone(tmp_path, monkeypatch):
+    """One pass of several sequences' verifications on the quantised kernels, 15 to 62 rows in all
+    (one AMX tile group, then groups in pairs, where the processor has them), gives each sequence
+    the rows and head logits it gets alone, bit for bit, in a single product of all the rows."""
+    from dynaspec.runtime import q8
+    from dynaspec.runtime.target import TargetPass
+
+    monkeypatch.setenv("DYNASPEC_CACHE_DIR", str(tmp_path))
+    if q8.available() is not None:
+        pytest.skip("the compiled kernels need AVX-512 or AVX2")
+    tgt = _qwen2_target(hidden=256, heads=4).to(dtype=torch.bfloat16).use_weights(_compiled_weights())
+    tgt.make_batch_invariant()
+    lean = tgt._lean_decoder()
+    calls = []
+    real = lean.forward_many
+    monkeypatch.setattr(lean, "forward_many", lambda ids, *a, **k: calls.append(len(ids)) or real(ids, *a, **k))
+    gen = torch.Generator().manual_seed(5)
+    for sizes in ((5, 5, 5), (9, 8, 7), (16, 16, 14, 16)):
+        prompts = [torch.randint(3, 120, (n,), generator=gen).tolist() for n in (7, 12, 4, 9)[:len(sizes)]]
+        drafts = [torch.randint(3, 120, (n,), generator=gen) for n in sizes]
+
+        def passes(prompts=prompts, drafts=drafts):
+            out = []
+            for prompt, ids in zip(prompts, drafts):
+                cache = tgt.new_cache(8)
+                tgt.forward(torch.tensor(prompt), torch.arange(len(prompt)), cache)
+                out.append(TargetPass(ids, len(prompt) + torch.arange(len(ids)), cache, chain=True,
+                                      head=list(range(len(ids)))))
+            return out
+
+        calls.clear()
+        alone, together = alone_and_together(tgt, passes)
+        assert calls[-1] == sum(sizes)  # the batch's rows in one pass
+        for a, b in zip(alone, together):
+            assert torch.equal(a.result, b.result)
+            assert torch.equal(b.logits, tgt.logits(a.result))
 
 
 def test_compiled_attention_reads_a_line_as_if_it_followed_the_context():

@@ -141,8 +141,9 @@ def probe(target) -> dict[str, str]:
             target._relaxed_head = None if verdict.startswith("pad") else target._head
             target._certify = certificate(target, verdict)
         else:
-            # the quantised kernels' probe covers every row count up to its most (16): trees of up
-            # to 15 drafted tokens and batched passes share one head product under the guarantee
+            # the quantised kernels' probe covers every row count up to its most (64): trees of up
+            # to 63 drafted tokens, and a batched pass of several requests' rows up to 64, share
+            # one head product under the guarantee
             verdict, target._head, target._relaxed_head = quantized_linear(
                 head_kind, target.packed_head or target.lm_head_weight, target.lm_head_bias,
                 rows=quantized.PROBE_ROWS)

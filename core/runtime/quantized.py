@@ -52,8 +52,9 @@ import torch
 from dynaspec.errors import ConfigError
 from dynaspec.runtime.config import WEIGHTS_CHOICES  # see StackConfig.weights
 
-#: row counts probed for a kernel (a chain up to depth 15 verifies at most 16 rows)
-PROBE_ROWS = 16
+#: row counts probed for a kernel: a chain up to depth 63 verifies at most 64 rows, and a batched
+#: pass of several requests shares one product for up to 64 rows
+PROBE_ROWS = 64
 PROBE_VERSION = 3  # bump when a kernel or the probe changes: remembered verdicts are re-probed
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
