@@ -5,7 +5,8 @@ once into a :class:`dynaspec.serving.worker.Worker` with the given max batch; th
 after the other, alternating for ``--rounds``. Per run: aggregate tokens/s, the target's passes
 (count, seconds, requests' rows and all rows), the prefills' seconds and the rest of the engine
 thread. ``--hold`` makes the batch planner grant no draft positions (probes and a request alone
-still draft), to see what speculation costs a batch that does not draft.
+still draft), to see what speculation costs a batch that does not draft. ``--pass-rows`` caps a
+pass's rows below what the probe covered, to see what one pass for a whole batch is worth.
 
     python scripts/serve_engine_load.py --stacks default qwen-baseline --requests 16 --max-batch 8
 """
@@ -37,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--hold", action="store_true", help="the batch planner grants no draft positions")
+    parser.add_argument("--pass-rows", type=int, default=None,
+                        help="cap one pass of the target (and one shared head product) at this many rows, below "
+                             "what the numerics probe covered (16: the probe's reach before session 42); a larger "
+                             "batch's rows run in several passes")
     args = parser.parse_args(argv)
 
     import torch
@@ -51,6 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.hold:
         planner.grant = lambda rates, base, per_row: [0] * rates.shape[0]
     engines = dict(zip(args.stacks, Engine.from_stacks(args.stacks)))
+    if args.pass_rows is not None:
+        for engine in engines.values():
+            target = engine.target
+            if not 1 <= args.pass_rows <= target.max_pass_rows:
+                parser.error(f"--pass-rows must be 1 to {target.max_pass_rows} (the rows the probe covered)")
+            target.max_pass_rows = args.pass_rows
+            target.max_head_rows = min(target.max_head_rows, args.pass_rows)
     if args.dev:
         texts = [p["text"] for p in data.dev_protocol_prompts(args.requests)]
     else:
