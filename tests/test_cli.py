@@ -109,6 +109,30 @@ def test_generate_text_and_summary(capsys, tiny_stack):
     assert "10 new tokens" in err and "mean accepted length" in err and "tokens/s" in err
 
 
+def test_generate_moves_weights_to_huge_pages_only_for_long_answers(capsys, tiny_stack, monkeypatch):
+    """A short answer starts without moving its int8 weights onto huge pages (the move costs more
+    than the steps it speeds up); one that may run HUGE_PAGES_MIN_TOKENS tokens or more moves them
+    first, as every other engine (eval, bench, serve) does."""
+    from dynaspec.cli import generate
+    from dynaspec.runtime import engine
+
+    moves = []
+    monkeypatch.setattr(engine, "move_to_huge_pages", lambda: moves.append(1) or 0)
+    _, stack = tiny_stack
+    long_answer = str(generate.HUGE_PAGES_MIN_TOKENS)
+    for budget, moved in (("4", []), (long_answer, [1])):
+        moves.clear()
+        code, _, err = run(capsys, "generate", "abc", "--stack", str(stack), "--max-new-tokens", budget, "--raw",
+                           "--stop", "c")
+        assert code == 0 and moves == moved, (budget, err)
+    # the stack's own budget counts where the command gives none
+    moves.clear()
+    assert run(capsys, "generate", "abc", "--stack", str(stack), "--raw", "--stop", "c",
+               "--set", f"decode.max_new_tokens={long_answer}")[0] == 0
+    assert moves == [1]
+    assert engine.Engine.from_stack.__kwdefaults__["huge_pages"] is True  # every other engine moves them
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--stack", "no-such-stack"], "unknown stack 'no-such-stack'; available:"),
     (["--set", "draft.depth=0"], "draft.depth = 0 is invalid"),

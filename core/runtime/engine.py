@@ -22,7 +22,8 @@ from dynaspec.runtime.drafter import Drafter
 from dynaspec.runtime.drafters import DrafterContext, DraftSource, build_drafter, grow_within
 from dynaspec.runtime.gate import CostPlanner, DepthControl, DraftGate, PlainCost
 from dynaspec.runtime.protocols import DecodeParams, ShortlisterCapabilities, capabilities
-from dynaspec.runtime.q8 import argmax, huge_pages
+from dynaspec.runtime.q8 import argmax
+from dynaspec.runtime.q8 import huge_pages as move_to_huge_pages
 from dynaspec.runtime.registry import Registry, default_registry
 from dynaspec.runtime.stats import GenerationStats
 from dynaspec.runtime.target import TargetPass
@@ -109,9 +110,13 @@ class Engine:
     """A target, an optional drafter and the components of a stack, assembled once."""
 
     def __init__(self, stack: StackConfig, target, drafter: Drafter | None = None, *,
-                 registry: Registry | None = None, models: dict | None = None) -> None:
+                 registry: Registry | None = None, models: dict | None = None,
+                 huge_pages: bool = True) -> None:
         """``drafter``: a drafter model already loaded, used by the stack's trained drafter instead of
-        its artifact; ``models``: drafter models shared with other engines (see :meth:`from_stacks`)."""
+        its artifact; ``models``: drafter models shared with other engines (see :meth:`from_stacks`);
+        ``huge_pages``: move the int8 weights into memory on huge pages (:func:`q8.huge_pages`):
+        every later step reads them faster, for a move that costs as much as a few hundred steps
+        gain (docs/results.md, session 42), so worth it for an engine that will run long."""
         self.target = target
         self.registry = registry or default_registry()
         # the numerics are set up here whoever built the target: the guarantee is never skipped
@@ -156,8 +161,8 @@ class Engine:
         #: the plain step's measured time on this machine (for ``draft.adaptive``)
         self.plain_cost = PlainCost()
         # the int8 weights every step streams, moved once into memory on huge pages
-        if target.device.type == "cpu":
-            huge_pages()
+        if target.device.type == "cpu" and huge_pages:
+            move_to_huge_pages()
 
     def _backend_for(self, head_weight: torch.Tensor | None):
         """The stack's GEMM backend over the target's LM head (``None``) or a drafter's own head:
@@ -204,10 +209,11 @@ class Engine:
     @classmethod
     def from_stack(cls, stack: str | StackConfig = "default", *,
                    overrides: Mapping[str, Any] | None = None, registry: Registry | None = None,
-                   target=None, drafter: Drafter | None = None, models: dict | None = None) -> "Engine":
+                   target=None, drafter: Drafter | None = None, models: dict | None = None,
+                   huge_pages: bool = True) -> "Engine":
         """Resolve a stack (built-in name, plugin name or TOML file), load its target (unless given)
         and build its drafter and components (``drafter``: a drafter model already loaded;
-        ``models``: drafter models shared with other engines)."""
+        ``models``: drafter models shared with other engines; ``huge_pages``: see :class:`Engine`)."""
         from dynaspec.runtime.numerics import stack_dtype
         from dynaspec.runtime.stacks import resolve_stack
         from dynaspec.runtime.target import check_device
@@ -225,7 +231,7 @@ class Engine:
                               f"{target.device}: load one target per dtype and device")
         if config.drafter is None:
             drafter = None  # plain decoding, even when a caller shares one stack's drafter with all
-        engine = cls(config, target, drafter, registry=registry, models=models)
+        engine = cls(config, target, drafter, registry=registry, models=models, huge_pages=huge_pages)
         if image is not None:
             from dynaspec.runtime.image import save_image
 
