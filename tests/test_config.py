@@ -52,6 +52,13 @@ def test_unknown_fields_are_rejected():
         stack_from_mapping({"name": "a", "target": "t", "draft": {"deep": 3}})
 
 
+def test_draft_planner_names_are_checked():
+    stack = stack_from_mapping({"name": "a", "target": "t", "draft": {"adaptive": True, "planner": "cost-gate"}})
+    assert stack.draft.planner == "cost-gate"
+    with pytest.raises(ConfigError, match="draft.planner.*must be one of 'rate', 'cost', 'cost-gate', 'auto'"):
+        stack_from_mapping({"name": "a", "target": "t", "draft": {"planner": "costs"}})
+
+
 def test_overrides(registry):
     stack = resolve_stack("eagle", registry=registry,
                           overrides={"draft.depth": 4, "backend": "torch", "scheduler.budget": 99,

@@ -385,7 +385,7 @@ def test_verification_cost_by_rows_is_measured_interpolated_and_extended():
     assert costs.verification(4) == pytest.approx(0.028)  # an average of the measurements
 
 
-def _planner(plain=0.020, step=0.004, per_row=0.001):
+def _planner(plain=0.020, step=0.004, per_row=0.001, whole_depth=False):
     from dynaspec.runtime.gate import CostPlanner, PlainCost
 
     costs = PlainCost()
@@ -393,7 +393,7 @@ def _planner(plain=0.020, step=0.004, per_row=0.001):
     for rows in range(2, 8):
         costs.record_verification(plain + per_row * (rows - 1), rows=rows)
     costs.record_draft(step, 1)
-    return CostPlanner(costs)
+    return CostPlanner(costs, whole_depth=whole_depth)
 
 
 def _record_good_generation(planner, cycles=6):
@@ -437,6 +437,20 @@ def test_cost_planner_drafts_deep_when_drafts_are_accepted_and_stops_where_they_
     assert failing.cap(5) == 0 and failing.wait == 2 * FIRST_BACKOFF
 
 
+def test_cost_gate_planner_drafts_the_whole_depth_where_drafting_pays_and_plain_steps_where_it_does_not():
+    """``planner = "cost-gate"``: the cost model's decision whether to draft, never its depth."""
+    from dynaspec.runtime.gate import FIRST_BACKOFF
+
+    planner = _planner(whole_depth=True)
+    _record_good_generation(planner)
+    assert planner.best_depth(5) == 2  # the cost planner would cap the draft at 2 positions
+    assert planner.cap(5) is None  # the gate drafts as deep as the stack says
+    failing = _planner(whole_depth=True)
+    failing.costs = planner.costs
+    failed = _failures_before_plain(failing, most=8)
+    assert 2 <= failed <= 5 and failing.wait == FIRST_BACKOFF
+
+
 def test_cost_planner_drafts_nothing_where_a_draft_step_costs_more_than_it_can_gain():
     planner = _planner(plain=0.020, step=0.030)  # a draft step dearer than a plain step
     planner.record(drafted=True, seconds=0.060, verify_seconds=0.022, rows=3, draft_seconds=0.060,
@@ -444,7 +458,21 @@ def test_cost_planner_drafts_nothing_where_a_draft_step_costs_more_than_it_can_g
     assert planner.cap(5) == 0
 
 
-@pytest.mark.parametrize("planner", ["rate", "cost"])
+def test_auto_planner_drafts_whole_trees_only_where_a_trees_rows_cost_about_one(monkeypatch):
+    from conftest import random_drafter
+    from dynaspec.runtime import numerics
+
+    registry = builtin_registry()
+    fields = {"draft": {"mode": "chain", "depth": 4, "adaptive": True, "planner": "auto"}}
+    build = lambda: make_engine("llama", random_drafter("llama"), registry, drafter="in-memory", **fields)  # noqa: E731
+    assert not numerics.cheap_rows(build().target) and not build().whole_depth  # the cost planner's depth
+    monkeypatch.setattr(numerics, "cheap_rows", lambda target: True)
+    assert build().whole_depth
+    fields["draft"]["planner"] = "cost"
+    assert not build().whole_depth
+
+
+@pytest.mark.parametrize("planner", ["rate", "cost", "cost-gate", "auto"])
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_adaptive_engine_decodes_plainly_when_drafts_fail_and_stays_exact(kind, planner):
     from conftest import random_drafter

@@ -126,6 +126,10 @@ class Engine:
             stack = attrs.evolve(stack, draft=attrs.evolve(stack.draft, mode="tree") if tree
                                  else stack.draft.as_chain())
         self.stack = stack
+        #: the cost planner drafts the whole depth while drafting pays ("cost-gate"; "auto" where a
+        #: tree's rows cost about one), or the depth its cost model expects the most of ("cost")
+        self.whole_depth = stack.draft.planner == "cost-gate" or (
+            stack.draft.planner == "auto" and numerics.cheap_rows(target))
         self.ctx = BuildContext(
             vocab_size=target.vocab_size, hidden_size=target.hidden_size,
             lm_head_weight=target.lm_head_weight, special_token_ids=target.special_token_ids,
@@ -512,8 +516,8 @@ class Engine:
         produced = len(chunk)
         yield chunk
         gate = planner = None
-        if self.stack.draft.adaptive and self.stack.draft.planner == "cost":
-            planner = CostPlanner(self.plain_cost, self.stack.draft.planner_prior)
+        if self.stack.draft.adaptive and self.stack.draft.planner in ("cost", "cost-gate", "auto"):
+            planner = CostPlanner(self.plain_cost, self.stack.draft.planner_prior, whole_depth=self.whole_depth)
         elif self.stack.draft.adaptive:
             gate = DraftGate(self.plain_cost)
         while not done:

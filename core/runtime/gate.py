@@ -22,7 +22,9 @@ plain step, a verification by the number of rows, a draft step) against the expe
 chain capped at each depth, from this generation's acceptance per draft position (with the
 engine's earlier generations as a prior). It drafts where it expects more tokens per second than
 a plain step gives, at the depth that expects the most, and looks again after backing off as the
-rate planner does.
+rate planner does. ``draft.planner = "cost-gate"`` takes from the same model only the decision
+whether to draft, and drafts the stack's whole depth when it does; ``"auto"`` is ``"cost-gate"``
+where the target verifies a tree's rows for about the cost of one, else ``"cost"``.
 
 The constants were chosen on train prompts (``dynaspec bench`` over the training questions), never
 on the prompts the results report.
@@ -206,12 +208,15 @@ class CostPlanner:
     each look that leaves drafting behind (up to ``MAX_BACKOFF``) and resetting it after one that
     does not. In a composite the depth holds only the drafters with a model: prompt lookup's
     proposals, which cost next to nothing to draft, stay uncut, and still come while the others
-    are held to plain steps.
+    are held to plain steps. With ``whole_depth`` (``planner = "cost-gate"``, and ``"auto"`` where a
+    tree's rows cost about one) the model only decides whether to draft: a cycle that drafts
+    drafts as deep as the stack says.
     """
 
-    def __init__(self, costs: PlainCost, prior_weight: float = PRIOR_WEIGHT) -> None:
+    def __init__(self, costs: PlainCost, prior_weight: float = PRIOR_WEIGHT, whole_depth: bool = False) -> None:
         self.costs = costs
         self.prior_weight = prior_weight
+        self.whole_depth = whole_depth
         self.drafted: list[int] = []  # this generation's drafted cycles reaching each position
         self.accepted: list[int] = []  # ... and accepted through it
         self.wait = 0  # plain steps still to take
@@ -259,6 +264,8 @@ class CostPlanner:
         best = self.best_depth(self.max_depth)
         if best == 0:
             self.wait = self.backoff  # this cycle is the first of them
+        elif self.whole_depth:
+            return None  # drafting pays: as deep as the stack drafts
         elif best is not None and best < self.max_depth:
             best, self.capped = explore(best, self.max_depth, self.capped)
         return best
