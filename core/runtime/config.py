@@ -111,10 +111,11 @@ class DraftConfig:
     #: generation's acceptance per draft position (:class:`dynaspec.runtime.gate.CostPlanner`);
     #: "cost-gate" decides from the same cost model whether to draft, and drafts the stack's whole
     #: depth and tree when it does (where a verification's rows cost next to nothing, as on AMX
-    #: tiles, deeper drafts earn more than the model's chain of expected tokens foresees: on 48 train
-    #: prompts, 1.81x against 1.72x, session 43); "auto" is "cost-gate" where the target verifies a
-    #: tree's rows for about the cost of one (:func:`dynaspec.runtime.numerics.cheap_rows`, where
-    #: ``mode = "auto"`` drafts a tree), else "cost".
+    #: tiles, deeper drafts earned more than the model's chain of expected tokens foresaw: 1.81x
+    #: against 1.72x on 48 train prompts, about even on dev; session 43); "auto" is "cost-gate"
+    #: where the target verifies a tree's rows for about the cost of one
+    #: (:func:`dynaspec.runtime.numerics.cheap_rows`, where ``mode = "auto"`` drafts a tree), else
+    #: "cost".
     planner: str = attrs.field(default="rate")
     #: For the cost model's planners ("cost", "cost-gate", "auto"): how many drafted cycles the
     #: engine's earlier generations weigh in a new generation's acceptance per position (more: a
