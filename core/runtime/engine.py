@@ -121,15 +121,15 @@ class Engine:
         self.registry = registry or default_registry()
         # the numerics are set up here whoever built the target: the guarantee is never skipped
         numerics.set_up(target, stack)
-        if stack.draft.mode == "auto":  # a tree where its rows cost about one, else the chain
-            tree = numerics.cheap_rows(target)
-            stack = attrs.evolve(stack, draft=attrs.evolve(stack.draft, mode="tree") if tree
-                                 else stack.draft.as_chain())
+        draft = stack.draft
+        if "auto" in (draft.mode, draft.planner):  # what suits a machine whose tree rows cost about one
+            cheap = numerics.cheap_rows(target)
+            if draft.mode == "auto":  # a tree there, else the chain
+                draft = attrs.evolve(draft, mode="tree") if cheap else draft.as_chain()
+            if draft.planner == "auto":  # the whole tree while drafting pays there, else the best depth
+                draft = attrs.evolve(draft, planner="cost-gate" if cheap else "cost")
+            stack = attrs.evolve(stack, draft=draft)
         self.stack = stack
-        #: the cost planner drafts the whole depth while drafting pays ("cost-gate"; "auto" where a
-        #: tree's rows cost about one), or the depth its cost model expects the most of ("cost")
-        self.whole_depth = stack.draft.planner == "cost-gate" or (
-            stack.draft.planner == "auto" and numerics.cheap_rows(target))
         self.ctx = BuildContext(
             vocab_size=target.vocab_size, hidden_size=target.hidden_size,
             lm_head_weight=target.lm_head_weight, special_token_ids=target.special_token_ids,
@@ -167,6 +167,13 @@ class Engine:
         # the int8 weights every step streams, moved once into memory on huge pages
         if target.device.type == "cpu" and huge_pages:
             move_to_huge_pages()
+
+    @property
+    def whole_depth(self) -> bool:
+        """Whether the cost planner drafts the stack's whole depth while drafting pays
+        (``planner = "cost-gate"``, which ``"auto"`` becomes where a tree's rows cost about one)
+        rather than the depth its cost model expects the most of."""
+        return self.stack.draft.planner == "cost-gate"
 
     def _backend_for(self, head_weight: torch.Tensor | None):
         """The stack's GEMM backend over the target's LM head (``None``) or a drafter's own head:
@@ -516,7 +523,7 @@ class Engine:
         produced = len(chunk)
         yield chunk
         gate = planner = None
-        if self.stack.draft.adaptive and self.stack.draft.planner in ("cost", "cost-gate", "auto"):
+        if self.stack.draft.adaptive and self.stack.draft.planner != "rate":  # the cost model's planners
             planner = CostPlanner(self.plain_cost, self.stack.draft.planner_prior, whole_depth=self.whole_depth)
         elif self.stack.draft.adaptive:
             gate = DraftGate(self.plain_cost)
