@@ -131,6 +131,19 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
+def int8_rows_reference(hidden: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, u8: bool) -> torch.Tensor:
+    """What ``q8.Int8Rows.logits`` computes for ``hidden`` [M, K] over the int8 rows ``q`` [R, K]
+    with their ``scale`` [R]: with 8-bit activations (``u8``), each row of ``hidden`` quantised as a
+    weight row is, the exact integer sums, then ``(sum * sx) * scale`` in float32 (bit for bit);
+    else the float32 product of ``hidden`` and the dequantised rows (to float32's rounding)."""
+    x = hidden.float()
+    if not u8:
+        return x @ (q.float() * scale[:, None]).T
+    xq, sx = quantize_rows(x)
+    sums = (xq.long() @ q.long().T).float()  # exact: |sum| < 2^24 for the sizes tested
+    return (sums * sx[:, None]) * scale[None, :]
+
+
 def pack_tiles(q: torch.Tensor, lanes: int, tile_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed, tail)``: int8 weights ``q`` [N, K] in the kernel's layout. For each tile of
     ``tile_rows`` rows (the last padded with zero rows), its first ``K - K % lanes`` columns as

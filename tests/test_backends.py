@@ -61,26 +61,33 @@ INT8 = pytest.mark.skipif(q8.available() is not None, reason=f"int8 kernel unava
 @INT8
 @pytest.mark.parametrize("rows", [1, 7])
 @pytest.mark.parametrize("ordered", [True, False])
-def test_int8_blocked_is_the_product_of_the_int8_rows(setup, rows, ordered):
+@pytest.mark.parametrize("activations", ["auto", "float"])
+def test_int8_blocked_is_the_product_of_the_int8_rows(setup, rows, ordered, activations):
     from dynaspec.plugins.int8_backend import Int8BlockedBackend
 
     weight, layout, dtype = setup
-    backend = Int8BlockedBackend(weight, layout.order if ordered else None)
-    from conftest import quantize_rows
+    backend = Int8BlockedBackend(weight, layout.order if ordered else None, activations)
+
+    from conftest import int8_rows_reference, quantize_rows
 
     q, scale = quantize_rows(weight)
-    dequantised = TorchBackend(q.float() * scale[:, None])
     reference = TorchBackend(weight)
     hidden = torch.randn(rows, D, generator=torch.Generator().manual_seed(1))
+    u8 = backend.rows.int8_activations  # "auto": where AVX-512 VNNI is
+    assert u8 == (activations == "auto" and "int8" in q8.modes())
     for sl in _shortlists(layout):
         got = backend.logits(hidden.to(dtype), sl)
         if sl.is_full:  # the whole vocabulary: the torch product of the head itself
             assert torch.equal(got, reference.logits(hidden.to(dtype), sl))
             continue
-        want = dequantised.logits(hidden.to(dtype).float(), sl)
+        ids = sl.token_ids
+        want = int8_rows_reference(hidden.to(dtype), q[ids], scale[ids], u8)
         assert got.dtype == torch.float32 and got.shape == want.shape
-        assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)  # float32 sums of the int8 rows
-        # and within the rows' rounding of the weights' own product
+        if u8:  # exact integer sums, then the same two float32 products
+            assert torch.equal(got, want)
+        else:
+            assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)  # float32 sums of the int8 rows
+        # and within the rows' (and activations') rounding of the weights' own product
         close = reference.logits(hidden.to(dtype), sl)
         assert torch.allclose(got, close, atol=0.1, rtol=0.05)
     assert backend.calls == 8

@@ -494,6 +494,46 @@ def test_argmax_is_torchs_first_largest_index():
     assert q8.argmax(tied) == 7
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 70])
+def test_int8_rows_are_what_their_docstring_says_with_either_activations(shape, m):
+    """Shortlisted int8 rows, read in place in any order and any count (not a multiple of the
+    kernel's four rows), with 8-bit activations on AVX-512 VNNI (exact integer sums, bit for bit;
+    past 64 activation rows in groups) and with float32 activations (to float32's rounding); the
+    same bits with two threads as with one."""
+    from conftest import int8_rows_reference
+
+    n, k = shape
+    weight, _, _ = _case(n, k, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(m, k, generator=gen) * torch.exp2(torch.randint(-6, 7, (m, k), generator=gen).float())
+    x[0] = 0  # a row of zeros
+    q, scale = quantize_rows(weight)
+    vnni = "int8" in q8.modes()  # 8-bit activations wherever AVX-512 VNNI is
+    ids = torch.randint(0, n, (2 * n + 3,), generator=gen)  # repeats, out of order
+    assert q8.Int8Rows(weight).int8_activations == vnni  # "auto"
+    for u8 in ([True, False] if vnni else [False]):
+        rows = q8.Int8Rows(weight, activations="int8" if u8 else "float")
+        assert rows.int8_activations == u8
+        got = rows.logits(x, ids)
+        want = int8_rows_reference(x, q[ids], scale[ids], u8)
+        if u8:
+            assert torch.equal(got, want)
+        else:
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            assert torch.equal(rows.logits(x, ids), got)
+        finally:
+            torch.set_num_threads(threads)
+    if not vnni:
+        with pytest.raises(ConfigError, match="AVX-512 VNNI"):
+            q8.Int8Rows(weight, activations="int8")
+    with pytest.raises(ConfigError, match="must be one of"):
+        q8.Int8Rows(weight, activations="int4")
+
+
 def test_huge_pages_move_the_weights_and_keep_every_result():
     """q8.huge_pages copies the int8 weights of live kernels (products and int8 rows) into one
     arena advised for transparent huge pages, once: the same results bit for bit after the move."""
