@@ -315,3 +315,20 @@ def test_kernel_ab_refuses_to_switch_what_the_target_does_not_compile(tmp_path, 
     assert done.returncode != 0
     assert f"does not run {switch!r} through the compiled kernel" in done.stderr
     assert "median step" not in done.stdout
+
+
+def test_draft_head_rows_times_both_activations_hot_and_cold(tmp_path):
+    """scripts/draft_head_rows.py: a row per drafted row count and cache state, with the int8
+    activations' column where AVX-512 VNNI is."""
+    from dynaspec.runtime import q8
+
+    if q8.available() is not None:
+        pytest.skip(f"int8 kernel unavailable: {q8.available()}")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "draft_head_rows.py"), "--target", "tiny-llama",
+                           "--clusters", "4", "--cluster-size", "8", "--rows", "1", "3", "--repeats", "2",
+                           "--flush", "1"], capture_output=True, text=True,
+                          env={**os.environ, "DYNASPEC_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ") and "rows" not in line]
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [("1", "hot"), ("1", "cold"), ("3", "hot"), ("3", "cold")]
+    assert all(len(r) == 2 + (2 if "int8" in q8.modes() else 1) and all(float(c) > 0 for c in r[2:]) for r in rows)
