@@ -14,6 +14,7 @@ import torch
 
 from dynaspec.runtime.hookspecs import hookimpl
 from dynaspec.runtime.params import param
+from dynaspec.runtime.q8 import ROWS_ACTIVATIONS
 from dynaspec.runtime.registry import Component
 from dynaspec.runtime.types import BuildContext, Shortlist
 
@@ -50,7 +51,7 @@ def int8_unavailable(ctx: BuildContext) -> str | None:
 class Int8Params:
     activations: str = param("auto", help="what the int8 rows multiply: int8 activations, one scale a row (AVX-512 "
                              "VNNI; the fastest), float32 ones, or auto (int8 where they run)",
-                             check=lambda v: v in ("auto", "int8", "float"), rule="must be auto, int8 or float")
+                             check=lambda v: v in ROWS_ACTIVATIONS, rule="must be auto, int8 or float")
 
 
 def _int8(params: Int8Params, ctx: BuildContext) -> Int8BlockedBackend:

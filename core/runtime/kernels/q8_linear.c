@@ -944,16 +944,14 @@ void q8_rows(const float *x, int64_t M, int64_t K, const int8_t *q, const float 
  * rounded to even) and the integer sum is exact. vpdpbusd multiplies unsigned bytes by signed
  * ones: the weights are flipped to unsigned (w + 128, one xor) and multiplied by the signed
  * activations, so sum (w + 128) xq = sum w xq + 128 sum xq, and 128 sum xq[m] is taken off once.
- * Four weight rows at a time (four independent sums in flight, the next four rows prefetched), so
+ * Four weight rows at a time (four independent sums in flight, the rows PF ahead prefetched), so
  * a cold shortlist streams from memory instead of waiting on one row's loads and one sum's chain:
  * one instruction per 64 products against four (convert, multiply-add) per 16 in q8_rows.
  * xq is scratch of M * ceil(K / 64) * 64 bytes, sx of M floats. Drafting only: the draft logits
  * round otherwise than the float32 rows do; verification keeps the output exact. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define RB 4
-#ifndef PF
-#define PF 16
-#endif
+#define RB 4  /* weight rows at a time */
+#define PF 16 /* how many rows ahead the prefetches run */
 #define DOT_U8(acc, a, b) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
 int q8_rows_u8_available(void) { return 1; }
 
