@@ -1,4 +1,4 @@
-/* Rows-cost experiment behind docs/results.md "Int8 products by row count": int8 weights times
+/* Rows-cost experiment behind docs/history.md "Int8 products by row count": int8 weights times
  * (a) int16 activations with vpdpwssd, the weights widened once per group of rows (the shipped
  * `int16` mode's inner loop, groups of 4, and of 6 as tried), and (b) uint8 activations with
  * vpdpbusd (64 products an instruction, no widening: the 8-bit-activation kernel llama.cpp uses).

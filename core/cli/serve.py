@@ -14,7 +14,7 @@ def served_stack(stack, max_batch: int):
     """The stack as a server with batches of up to ``max_batch`` requests runs it: a stack whose
     draft is ``"auto"`` drafts its chain when requests can share a pass, since a tree's extra rows
     are then rows of other requests (served, 4 clients: the tree 52-58 tokens/s, the chain 58-62;
-    docs/results.md, session 31)."""
+    docs/history.md, session 31)."""
     import attrs
 
     if stack.draft.mode == "auto" and max_batch > 1:
