@@ -17,7 +17,8 @@ from dynaspec.runtime.config import WEIGHTS_CHOICES
 PREPARE_STAGES = ("collect", "drafter", "frequency", "corpus", "clusters", "router", "stack")
 
 
-#: how much data and time a good drafter takes, as measured (docs/drafter-curve.md; docs/history.md, "The drafter's data curve")
+#: how much data and time a good drafter takes, as measured (docs/drafter-curve.md; docs/history.md,
+#: "The drafter's data curve")
 PREPARE_EPILOG = """\
 How much data and time a good drafter takes (measured on 2 cores of an AMD EPYC, one thread per job;
 mean accepted length of a chain of 5 over the full vocabulary, the target's own token included):

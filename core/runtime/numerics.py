@@ -190,7 +190,8 @@ def probe(target) -> dict[str, str]:
 def cheap_rows(target) -> bool:
     """Whether ``target``, set up, verifies a draft tree's rows (up to 16) for about the cost of one
     row: its lean forward on the quantised kernel with 8-bit activations on AMX tiles (a pass of 8
-    rows then costs 1.18 one-row passes, against 1.57 on AVX-512 VNNI; docs/results.md, session 35; docs/history.md, session 31).
+    rows then costs 1.18 one-row passes, against 1.57 on AVX-512 VNNI; docs/results.md, session 35;
+    docs/history.md, session 31).
     What ``draft.mode = "auto"`` drafts a tree on."""
     if getattr(target, "forward_kind", None) != "lean" or getattr(target, "weights", None) != "w8a8":
         return False
