@@ -738,12 +738,11 @@ class Int8Rows:
             raise ValueError(f"row ids outside 0..{self.rows - 1}")
         where = (ids if self.position is None else self.position[ids]).contiguous()
         out = torch.empty(x.shape[0], where.numel(), dtype=torch.float32)
-        if out.numel() and self.int8_activations:
-            xq = torch.empty(x.shape[0], -(-self.in_features // 64) * 64, dtype=torch.int8)
-            sx = torch.empty(x.shape[0], dtype=torch.float32)
-            self._lib.q8_rows_u8(x.data_ptr(), x.shape[0], self.in_features, self.q.data_ptr(), self.scale.data_ptr(),
-                                 where.data_ptr(), where.numel(), out.data_ptr(), xq.data_ptr(), sx.data_ptr(),
-                                 torch.get_num_threads())
+        if out.numel() and self.int8_activations:  # the rows quantised into the thread's scratch
+            m = x.shape[0]
+            xq, sx = _thread_scratch(torch.int8, m * (-(-self.in_features // 64) * 64), m)
+            self._lib.q8_rows_u8(x.data_ptr(), m, self.in_features, self.q.data_ptr(), self.scale.data_ptr(),
+                                 where.data_ptr(), where.numel(), out.data_ptr(), xq, sx, torch.get_num_threads())
         elif out.numel():
             self._lib.q8_rows(x.data_ptr(), x.shape[0], self.in_features, self.q.data_ptr(), self.scale.data_ptr(),
                               where.data_ptr(), where.numel(), out.data_ptr(), torch.get_num_threads())
